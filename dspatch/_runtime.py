@@ -1,0 +1,180 @@
+"""Applies patches in this process: each one whole or not at all, once, revertibly.
+
+Loaded on the first import of a watched package (or by dspatch.apply()); imports wrapt only when a patch
+actually applies.
+"""
+import os
+import sys
+import threading
+
+from dspatch import gating, registry
+
+_lock = threading.RLock()
+_active = False
+_strict = False
+_pending = {}    # id -> Patch selected, waiting for its target modules to finish importing
+_applied = {}    # id -> Transaction
+_outcome = {}    # id -> (verdict, reason) decided in this process
+_finished = set()  # watched modules that finished executing since the hook was installed
+_reported = set()
+
+
+class PatchError(RuntimeError):
+    """A patch could not apply and DSPATCH_STRICT=1 asked for that to be an error."""
+
+
+def _say(message):
+    # Quiet by default: local rank 0 only (one line per node), every rank with DSPATCH_VERBOSE=1.
+    if os.environ.get("LOCAL_RANK", "0") in ("", "0") or registry.flag("DSPATCH_VERBOSE"):
+        print(f"dspatch: {message}", file=sys.stderr, flush=True)
+
+
+def _report(key, message):
+    if key not in _reported:
+        _reported.add(key)
+        _say(message)
+
+
+def state_of(pid):
+    return _outcome.get(pid)
+
+
+def applied_ids():
+    return list(_applied)
+
+
+def _module_ready(name):
+    if name in _finished:
+        return True
+    module = sys.modules.get(name)
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+def module_loaded(name):
+    """Called by the import hook after a module of a watched package has executed."""
+    with _lock:
+        _finished.add(name)
+        if not _active:
+            activate(None, None)
+        else:
+            _apply_ready(name)
+
+
+def activate(ids, strict):
+    """Select patches (code or environment), hook future imports, and apply what is importable now."""
+    global _active, _strict
+    with _lock:
+        _strict = registry.flag("DSPATCH_STRICT") if strict is None else bool(strict)
+        _active = True
+        try:
+            chosen, _ = registry.selection(ids)
+        except registry.SelectionError as e:
+            _report(("selection", str(e)), f"{e}. Nothing applied.")
+            if _strict:
+                raise
+            return {}
+        from dspatch import _boot
+
+        if _boot.finder() is None:
+            sys.meta_path.insert(0, _boot.PostImportFinder(_boot._notify))
+        patches = registry.all_patches()
+        for pid in chosen:
+            if pid not in _applied:
+                _outcome.pop(pid, None)
+                _pending[pid] = patches[pid]
+        _apply_ready(None)
+        return {pid: _outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
+                for pid in chosen}
+
+
+def _apply_ready(trigger):
+    for pid, patch in list(_pending.items()):
+        if trigger is not None and trigger not in patch.modules:
+            continue
+        if all(_module_ready(m) for m in patch.modules):
+            del _pending[pid]
+            _apply_one(patch)
+
+
+def _apply_one(patch):
+    version, verdict, reason = gating.evaluate(patch)
+    if verdict != gating.APPLIES:
+        _outcome[patch.id] = (verdict, reason)
+        if verdict == gating.DRIFTED:
+            _report(patch.id, f"{patch.id} left out: {reason}")
+            if _strict:
+                raise PatchError(f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)")
+        return
+    txn = Transaction(patch)
+    try:
+        patch.apply(txn)
+    except Exception as e:
+        txn.rollback()
+        reason = f"{type(e).__name__}: {e}; left out whole, nothing changed"
+        _outcome[patch.id] = (gating.FAILED, reason)
+        _report(patch.id, f"{patch.id} could not apply to {patch.distribution} {version}: {reason}")
+        if _strict:
+            raise PatchError(f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)") from e
+        return
+    _applied[patch.id] = txn
+    _outcome[patch.id] = (gating.APPLIED, f"applied in this process to {patch.distribution} {version}")
+    _say(f"applied {patch.id} ({patch.distribution} {version})")
+
+
+def revert(ids=None):
+    """Undo applied patches; with no ids, also stop watching imports."""
+    global _active
+    with _lock:
+        wanted = list(_applied) if ids is None else registry._resolve_tokens(
+            registry.split(ids) if isinstance(ids, str) else list(ids), "dspatch.revert()")
+        done = []
+        for pid in wanted:
+            _pending.pop(pid, None)
+            txn = _applied.pop(pid, None)
+            if txn is not None:
+                txn.rollback()
+                done.append(pid)
+            _outcome.pop(pid, None)
+        if ids is None:
+            from dspatch import _boot
+
+            _pending.clear()
+            _boot.uninstall()
+            _active = False
+        return done
+
+
+class Transaction:
+    """The changes one patch makes, recorded so that they can be undone together."""
+
+    def __init__(self, patch):
+        self.patch = patch
+        self._undo = []
+
+    def target(self, qualname):
+        for t in self.patch.targets:
+            if t.qualname == qualname:
+                return t
+        raise KeyError(qualname)
+
+    def resolve(self, target):
+        """(owner, attribute name, raw original) of a target in its imported module."""
+        owner = sys.modules[target.module]
+        *path, name = target.qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        return owner, name, vars(owner)[name]
+
+    def wrap(self, target, wrapper):
+        """Install wrapt.FunctionWrapper(original, wrapper) on the target; returns the original."""
+        import wrapt
+
+        owner, name, original = self.resolve(target)
+        setattr(owner, name, wrapt.FunctionWrapper(original, wrapper))
+        self._undo.append((owner, name, original))
+        return original
+
+    def rollback(self):
+        while self._undo:
+            owner, name, original = self._undo.pop()
+            setattr(owner, name, original)

@@ -1,0 +1,167 @@
+"""Verdicts: does a patch belong in this environment? Decided from installed metadata and source files only.
+
+Nothing here imports torch or a target package (`--check` must be cheap and must work when a target is
+broken or absent). The runtime uses the same functions on the files of the modules it is about to patch,
+so `--check` and what happens in a training job cannot disagree.
+"""
+import ast
+import hashlib
+import importlib.machinery
+import importlib.metadata
+import os
+import sys
+
+from dspatch import registry
+
+APPLIES = "applies"
+APPLIED = "applied"
+FIXED_UPSTREAM = "fixed upstream"
+NOT_AFFECTED = "not affected"
+NOT_INSTALLED = "not installed"
+DRIFTED = "drifted"
+DISABLED = "disabled"
+FAILED = "failed"
+
+
+def installed_version(distribution):
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def module_file(module_name):
+    """Path of a module's source without importing it (or its parents); the loaded file if already imported."""
+    loaded = sys.modules.get(module_name)
+    if loaded is not None and getattr(loaded, "__file__", None):
+        return loaded.__file__
+    top, _, rest = module_name.partition(".")
+    spec = importlib.machinery.PathFinder.find_spec(top)  # not via sys.meta_path: no import hooks involved
+    if spec is None or not spec.submodule_search_locations:
+        return spec.origin if spec is not None and not rest else None
+    for base in spec.submodule_search_locations:
+        path = os.path.join(base, *rest.split(".")) if rest else base
+        for candidate in (path + ".py", os.path.join(path, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+_parsed = {}
+
+
+def _parse(path):
+    key = (path, os.stat(path).st_mtime_ns)
+    if key not in _parsed:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        _parsed[key] = (source.splitlines(), ast.parse(source, path))
+    return _parsed[key]
+
+
+def find_definition(tree, qualname):
+    node = tree
+    for part in qualname.split("."):
+        for child in getattr(node, "body", ()):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and child.name == part:
+                node = child
+                break
+        else:
+            return None
+    return node
+
+
+def source_segment(path, qualname):
+    """(first line number, lines) of a definition, decorators included; None when it is not there."""
+    lines, tree = _parse(path)
+    node = find_definition(tree, qualname)
+    if node is None:
+        return None
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
+    return first, lines[first - 1:node.end_lineno]
+
+
+def fingerprint_lines(lines):
+    """Hash of a definition's code, blind to indentation level, blank lines, comment lines and trailing
+    spaces (all of which releases change without changing behaviour), and to the Python version reading it."""
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    kept = [line[indent:].rstrip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def fingerprint(path, qualname):
+    seg = source_segment(path, qualname)
+    return None if seg is None else fingerprint_lines(seg[1])
+
+
+class Row:
+    """One patch's verdict in this environment."""
+
+    def __init__(self, patch, version, verdict, reason):
+        self.patch, self.version, self.verdict, self.reason = patch, version, verdict, reason
+
+    def as_dict(self):
+        p = self.patch
+        return {"id": p.id, "distribution": p.distribution, "version": self.version, "verdict": self.verdict,
+                "reason": self.reason, "summary": p.summary, "affected": p.affected, "fixed_in": p.fixed_in,
+                "links": list(p.links), "diffs": dict(p.diffs)}
+
+
+def evaluate(patch, version=None, locate=module_file):
+    """(version, verdict, reason) from the environment alone: selection and in-process state not considered.
+
+    `version` and `locate` (module name -> source path) default to the installed ones; tests pass those of
+    downloaded releases."""
+    version = installed_version(patch.distribution) if version is None else version
+    if version is None:
+        return None, NOT_INSTALLED, f"{patch.distribution} is not installed"
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return version, DRIFTED, f"{patch.distribution} version {version!r} is not a PEP 440 version; left out"
+    if patch.fixed_in and parsed >= Version(patch.fixed_in):
+        return version, FIXED_UPSTREAM, f"fixed upstream in {patch.fixed_in}"
+    if not SpecifierSet(patch.affected).contains(parsed, prereleases=True):
+        return version, NOT_AFFECTED, f"the bug affects {patch.distribution} {patch.affected} only"
+    for target in patch.targets:
+        path = locate(target.module)
+        if path is None:
+            return version, DRIFTED, f"{target.module} not found in the installed {patch.distribution}; left out"
+        try:
+            found = fingerprint(path, target.qualname)
+        except (OSError, SyntaxError, UnicodeDecodeError) as e:
+            return version, DRIFTED, f"cannot read {path}: {e}; left out"
+        if found is None:
+            return version, DRIFTED, f"{target} is missing from {path}; left out"
+        if found not in target.fingerprints:
+            return version, DRIFTED, (
+                f"{target} differs from every release this patch was written for (fingerprint {found}): "
+                f"a fork, a dev build or a modified install; left out")
+    return version, APPLIES, f"{patch.distribution} {version} has the bug ({patch.affected})"
+
+
+def check_all(ids=None, environ=None):
+    """Rows for every registered patch: environment verdict, then selection, then in-process state."""
+    from dspatch import _runtime  # light: imports wrapt only when a patch is applied
+
+    patches = registry.all_patches()
+    env = os.environ if environ is None else environ
+    active = ids is not None or env.get("DSPATCH", "").strip().lower() not in registry.OFF_WORDS
+    if active:
+        _, left_out = registry.selection(ids, env)
+    else:
+        left_out = {}
+    rows = []
+    for pid, patch in patches.items():
+        version, verdict, reason = evaluate(patch)
+        state = _runtime.state_of(pid)
+        if state is not None:
+            verdict, reason = state
+        elif pid in left_out:
+            reason = f"{left_out[pid]} ({verdict}: {reason})"
+            verdict = DISABLED
+        rows.append(Row(patch, version, verdict, reason))
+    return rows

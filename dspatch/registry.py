@@ -1,0 +1,79 @@
+"""Loads the declared patches and resolves a selection (DSPATCH, DSPATCH_DISABLE) against them."""
+import importlib
+import os
+
+from dspatch import patches as _patches_pkg
+
+ON_WORDS = {"1", "all", "true", "yes", "on"}
+OFF_WORDS = {"", "0", "false", "no", "off", "none"}
+
+_cache = None
+
+
+def all_patches():
+    """{id: Patch} in registry order."""
+    global _cache
+    if _cache is None:
+        found = {}
+        for name in _patches_pkg.MODULES:
+            patch = importlib.import_module(f"{_patches_pkg.__name__}.{name}").PATCH
+            if patch.id in found:
+                raise RuntimeError(f"dspatch: two patches declare the id {patch.id!r}")
+            found[patch.id] = patch
+        _cache = found
+    return _cache
+
+
+class SelectionError(ValueError):
+    pass
+
+
+def _resolve_tokens(tokens, source):
+    known = all_patches()
+    chosen = []
+    for token in tokens:
+        # an id, or a prefix of ids ending at a "/" (e.g. "deepspeed" selects every deepspeed/... patch)
+        hits = [pid for pid in known if pid == token or pid.startswith(token.rstrip("/") + "/")]
+        if not hits:
+            raise SelectionError(
+                f"{source} names unknown patch id {token!r}; known ids: {', '.join(known)} "
+                f"(or a prefix such as 'deepspeed', or 1 for all)")
+        chosen.extend(hits)
+    return chosen
+
+
+def split(value):
+    return [t.strip() for t in value.replace(";", ",").split(",") if t.strip()]
+
+
+def selection(ids=None, environ=None):
+    """The ids selected by `ids` (code) or by DSPATCH, less DSPATCH_DISABLE. Raises SelectionError.
+
+    Returns (selected ids in registry order, reason text for each patch left out)."""
+    env = os.environ if environ is None else environ
+    known = all_patches()
+    if ids is None:
+        raw = env.get("DSPATCH", "").strip()
+        if raw.lower() in OFF_WORDS:
+            wanted = []
+        elif raw.lower() in ON_WORDS:
+            wanted = list(known)
+        else:
+            wanted = _resolve_tokens(split(raw), f"DSPATCH={raw!r}")
+    else:
+        wanted = _resolve_tokens(list(ids), "dspatch.apply()") if not isinstance(ids, str) else \
+            _resolve_tokens(split(ids), "dspatch.apply()")
+    disabled = set(_resolve_tokens(split(env.get("DSPATCH_DISABLE", "")), "DSPATCH_DISABLE"))
+    chosen = [pid for pid in known if pid in wanted and pid not in disabled]
+    left_out = {}
+    for pid in known:
+        if pid in disabled:
+            left_out[pid] = "disabled by DSPATCH_DISABLE"
+        elif pid not in wanted:
+            left_out[pid] = "not selected by DSPATCH" if ids is None else "not selected"
+    return chosen, left_out
+
+
+def flag(name, environ=None):
+    env = os.environ if environ is None else environ
+    return env.get(name, "").strip().lower() not in OFF_WORDS

@@ -1,0 +1,96 @@
+"""Derive a fixed function from the *installed* source, for fixes no wrapper can express (an attribute
+renamed across several methods). Gated by the target's fingerprint, so the source it rewrites is exactly
+a released one; nothing from upstream is stored in dspatch.
+"""
+import ast
+import sys
+
+from dspatch import gating
+
+
+class RewriteError(RuntimeError):
+    pass
+
+
+def _functions_in(obj, depth=4):
+    """Plain functions reachable from a (possibly decorated) callable: itself, __wrapped__, __func__, closures.
+    Decorators such as deepspeed's instrument_w_nvtx keep the function only in a closure cell."""
+    seen, todo = [], [(obj, 0)]
+    while todo:
+        item, level = todo.pop()
+        if item is None or any(item is s for s in seen) or level > depth:
+            continue
+        seen.append(item)
+        todo += [(getattr(item, "__wrapped__", None), level + 1), (getattr(item, "__func__", None), level + 1)]
+        for cell in getattr(item, "__closure__", None) or ():
+            try:
+                todo.append((cell.cell_contents, level + 1))
+            except ValueError:  # empty cell
+                pass
+    return [f for f in seen if hasattr(f, "__code__") and hasattr(f, "__defaults__")]
+
+
+def rebuild(target, transform, original):
+    """Compile `target` from its module's source file after `transform(def_node)` edits its AST.
+
+    The definition is compiled inside the same chain of class names, so private `self.__x` names mangle as
+    upstream's do; decorators are re-applied from the module's own globals; `__class__` is the real class;
+    line numbers stay those of the installed file (tracebacks point at real lines); and mutable defaults
+    (deepspeed's `count=[0]`) are the original's own objects, shared, not reset."""
+    module = sys.modules[target.module]
+    first, lines = gating.source_segment(module.__file__, target.qualname)
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    tree = ast.parse("\n".join(line[indent:] for line in lines))
+    definition = tree.body[0]
+    transform(definition)
+    *classes, name = target.qualname.split(".")
+    body = [definition]
+    for cls in reversed(classes):
+        holder = ast.parse(f"class {cls}:\n    pass").body[0]
+        holder.body = body
+        body = [holder]
+    tree.body = body
+    ast.fix_missing_locations(tree)
+    ast.increment_lineno(tree, first - 1)
+    namespace = {}
+    exec(compile(tree, module.__file__, "exec"), vars(module), namespace)
+    rebuilt = namespace[classes[0] if classes else name]
+    for cls in classes[1:]:
+        rebuilt = vars(rebuilt)[cls]
+    if classes:
+        rebuilt = vars(rebuilt)[name]
+    owner = module
+    for cls in classes:
+        owner = getattr(owner, cls)
+    fresh = _the_function(rebuilt, name, module.__file__, target)
+    old = _the_function(original, name, module.__file__, target)
+    fresh.__defaults__, fresh.__kwdefaults__ = old.__defaults__, old.__kwdefaults__
+    if "__class__" in fresh.__code__.co_freevars:
+        # `__class__` (explicit, or through zero-argument super()) must name the real class, not the holder
+        cell = fresh.__closure__[fresh.__code__.co_freevars.index("__class__")]
+        cell.cell_contents = owner
+    return rebuilt
+
+
+def _the_function(obj, name, filename, target):
+    """The function object compiled from the definition inside a decorated callable."""
+    for f in _functions_in(obj):
+        code = f.__code__
+        if code.co_name == name and code.co_filename == filename:
+            return f
+    raise RewriteError(f"cannot find the function {name} inside the decorated {target}")
+
+
+def rename_attribute(old, new):
+    """A transform: every `x.<old>` in the definition becomes `x.<new>`; fails if there is none."""
+
+    def transform(definition):
+        count = 0
+        for node in ast.walk(definition):
+            if isinstance(node, ast.Attribute) and node.attr == old:
+                node.attr = new
+                count += 1
+        if not count:
+            raise RewriteError(f"{definition.name} has no .{old} to rename")
+
+    return transform

@@ -1,0 +1,42 @@
+"""Helpers for reproducers: run real DeepSpeed in this process, on the CPU unless told otherwise.
+
+The recipe (UPSTREAM.md section 6): DS_ACCELERATOR=cpu, the gloo backend, LOCAL_SIZE set (older ZeRO-3
+calls numactl without it), single-process rendezvous variables, and no JIT build of the shm comm op.
+Variables already set (by torchrun, or a GPU user running --verify) are kept.
+"""
+import importlib
+import os
+import socket
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def init_deepspeed():
+    """Import deepspeed with distributed initialised; returns the deepspeed module."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = _free_port()
+    import deepspeed
+    import torch.distributed
+
+    if not torch.distributed.is_initialized():
+        if os.environ["DS_ACCELERATOR"] == "cpu":
+            # the shm op is a 90-115 s JIT build on 2 cores and only speeds up CPU collectives
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend="gloo" if os.environ["DS_ACCELERATOR"] == "cpu" else None)
+    return deepspeed
+
+
+def zero3_config(**zero):
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": 64, **zero},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    return config

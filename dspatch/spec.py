@@ -1,0 +1,54 @@
+"""What a patch declares. Patch modules import only this at module level, so reading the registry is cheap."""
+
+
+class Target:
+    """A function the patch replaces or wraps, and the fingerprints of its source as released.
+
+    `qualname` is "Class.method" or "function" inside `module`. `fingerprints` maps the fingerprint of the
+    released source (see dspatch.gating.fingerprint) to the releases that shipped it."""
+
+    def __init__(self, module, qualname, fingerprints):
+        self.module = module
+        self.qualname = qualname
+        self.fingerprints = dict(fingerprints)
+
+    def __repr__(self):
+        return f"{self.module}:{self.qualname}"
+
+
+class Patch:
+    """One upstream bug, the versions it affects, the code it touches and how to fix it in-process.
+
+    - `affected`: PEP 440 specifier of the releases with the bug; `fixed_in`: first release fixed upstream.
+    - `apply(ctx)`: installs the fix through ctx (dspatch._runtime.Transaction), which records every change
+      so a failure part-way leaves nothing behind and `revert` can undo it.
+    - `scenarios`: {name: callable} real-upstream reproducers. Each returns None when behaviour is correct
+      and raises `BugSeen` when the bug shows (see dspatch.verify).
+    - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
+    """
+
+    def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, links=(), diffs=None,
+                 scenarios=None, expected_on_stock=()):
+        self.id = id
+        self.summary = summary
+        self.distribution = distribution
+        self.affected = affected
+        self.fixed_in = fixed_in
+        self.targets = tuple(targets)
+        self.apply = apply
+        self.links = tuple(links)
+        self.diffs = dict(diffs or {})
+        self.scenarios = dict(scenarios or {})
+        # scenarios that must show the bug on stock upstream (the proof that the patch is needed)
+        self.expected_on_stock = tuple(expected_on_stock)
+
+    @property
+    def modules(self):
+        return tuple(dict.fromkeys(t.module for t in self.targets))
+
+    def __repr__(self):
+        return f"<Patch {self.id}>"
+
+
+class BugSeen(AssertionError):
+    """Raised by a scenario when the upstream bug shows."""

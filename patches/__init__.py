@@ -1,0 +1,9 @@
+"""The patch registry: one module per patch, grouped by the upstream project it fixes.
+
+Adding a patch = adding its module here. Each module defines `PATCH` (a dspatch.spec.Patch) and imports
+nothing heavy at module level.
+"""
+
+MODULES = (
+    "deepspeed.zero3_module_id",
+)

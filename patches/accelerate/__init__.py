@@ -1,0 +1,1 @@
+"""Patches for huggingface/accelerate (none yet)."""

@@ -1,0 +1,103 @@
+"""Released upstream sources, straight from PyPI's sdists, for gating tests and fingerprint tables.
+
+    python tests/upstream_releases.py deepspeed/zero3-module-id 0.14.0 0.19.8   # fingerprint table
+
+Downloads with the PyPI simple JSON API (checked against its sha256) into DSPATCH_RELEASE_CACHE
+(default ~/.cache/dspatch/releases); nothing is built or executed.
+"""
+import hashlib
+import json
+import os
+import sys
+import tarfile
+import urllib.request
+
+SIMPLE = "https://pypi.org/simple/{}/"
+CACHE = os.environ.get("DSPATCH_RELEASE_CACHE", os.path.expanduser("~/.cache/dspatch/releases"))
+
+
+def _index(project):
+    request = urllib.request.Request(SIMPLE.format(project), headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def sdist_versions(project, low, high):
+    from packaging.version import InvalidVersion, Version
+
+    found = []
+    for f in _index(project)["files"]:
+        name = f["filename"]
+        if not name.endswith(".tar.gz") or f.get("yanked"):
+            continue
+        try:
+            v = Version(name[len(project) + 1:-len(".tar.gz")])
+        except InvalidVersion:
+            continue
+        if Version(low) <= v <= Version(high) and not v.is_prerelease:
+            found.append(v)
+    return [str(v) for v in sorted(set(found))]
+
+
+def sdist(project, version):
+    """Path of the cached sdist, downloaded and verified on first use."""
+    name = f"{project}-{version}.tar.gz"
+    path = os.path.join(CACHE, name)
+    if os.path.exists(path):
+        return path
+    entry = next(f for f in _index(project)["files"] if f["filename"] == name)
+    with urllib.request.urlopen(entry["url"], timeout=300) as response:
+        data = response.read()
+    if hashlib.sha256(data).hexdigest() != entry["hashes"]["sha256"]:
+        raise RuntimeError(f"{name}: sha256 mismatch")
+    os.makedirs(CACHE, exist_ok=True)
+    with open(path + ".part", "wb") as f:
+        f.write(data)
+    os.replace(path + ".part", path)
+    return path
+
+
+def extract_modules(project, version, modules, into):
+    """Extract the source files of `modules` (dotted names) from the sdist into `into`; returns a locate
+    function (module name -> path or None) for dspatch.gating.evaluate."""
+    wanted = {}
+    for module in modules:
+        parts = module.split(".")
+        wanted["/".join(parts) + ".py"] = module
+        wanted["/".join(parts) + "/__init__.py"] = module
+    found = {}
+    with tarfile.open(sdist(project, version)) as tar:
+        for member in tar.getmembers():
+            relative = member.name.split("/", 1)[-1]
+            if relative in wanted and member.isfile():
+                target = os.path.join(into, relative)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with tar.extractfile(member) as src, open(target, "wb") as dst:
+                    dst.write(src.read())
+                found[wanted[relative]] = target
+    return found.get
+
+
+def main(argv):
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from dspatch import gating, registry
+
+    patch = registry.all_patches()[argv[0]]
+    table = {}
+    for version in sdist_versions(patch.distribution, argv[1], argv[2]):
+        with tempfile.TemporaryDirectory() as tmp:
+            locate = extract_modules(patch.distribution, version, patch.modules, tmp)
+            for t in patch.targets:
+                path = locate(t.module)
+                fp = path and gating.fingerprint(path, t.qualname)
+                table.setdefault((t.module, t.qualname), {}).setdefault(fp, []).append(version)
+    for (module, qualname), prints in table.items():
+        print(f"{module}:{qualname}")
+        for fp, versions in prints.items():
+            print(f"    {fp!r}: {versions[0]}-{versions[-1]} ({len(versions)} releases: {', '.join(versions)})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
