@@ -58,6 +58,21 @@ def module_loaded(name):
             activate(None, None)
         else:
             _apply_ready(name)
+        if name == LAUNCHER:
+            forward_to_nodes()
+
+
+# The multi-node DeepSpeed launcher (`deepspeed --hostfile ...`, also behind `accelerate launch`) passes on
+# only variables whose names start with an entry of EXPORT_ENVS (plus .deepspeed_env). It reads the list at
+# launch time, so adding the prefix here makes DSPATCH, DSPATCH_DISABLE and DSPATCH_STRICT reach every node.
+LAUNCHER = "deepspeed.launcher.runner"
+
+
+def forward_to_nodes():
+    runner = sys.modules.get(LAUNCHER)
+    exports = getattr(runner, "EXPORT_ENVS", None)
+    if "DSPATCH" in os.environ and isinstance(exports, list) and "DSPATCH" not in exports:
+        exports.append("DSPATCH")
 
 
 def activate(ids, strict):
@@ -83,6 +98,8 @@ def activate(ids, strict):
                 _outcome.pop(pid, None)
                 _pending[pid] = patches[pid]
         _apply_ready(None)
+        if _module_ready(LAUNCHER):
+            forward_to_nodes()
         return {pid: _outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
                 for pid in chosen}
 
@@ -101,7 +118,7 @@ def _apply_one(patch):
     if verdict != gating.APPLIES:
         _outcome[patch.id] = (verdict, reason)
         if verdict == gating.DRIFTED:
-            _report(patch.id, f"{patch.id} left out: {reason}")
+            _report(patch.id, f"{patch.id} skipped: {reason}")
             if _strict:
                 raise PatchError(f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)")
         return

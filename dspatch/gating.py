@@ -20,6 +20,7 @@ NOT_AFFECTED = "not affected"
 NOT_INSTALLED = "not installed"
 DRIFTED = "drifted"
 DISABLED = "disabled"
+UNSUPPORTED = "unsupported"
 FAILED = "failed"
 
 
@@ -104,6 +105,7 @@ class Row:
         p = self.patch
         return {"id": p.id, "distribution": p.distribution, "version": self.version, "verdict": self.verdict,
                 "reason": self.reason, "summary": p.summary, "affected": p.affected, "fixed_in": p.fixed_in,
+                "supported": p.supported,
                 "links": list(p.links), "diffs": dict(p.diffs)}
 
 
@@ -126,6 +128,9 @@ def evaluate(patch, version=None, locate=module_file):
         return version, FIXED_UPSTREAM, f"fixed upstream in {patch.fixed_in}"
     if not SpecifierSet(patch.affected).contains(parsed, prereleases=True):
         return version, NOT_AFFECTED, f"the bug affects {patch.distribution} {patch.affected} only"
+    if patch.supported and not SpecifierSet(patch.supported).contains(parsed, prereleases=True):
+        return version, UNSUPPORTED, (f"{patch.distribution} {version} has the bug, but this patch is written and "
+                                      f"tested for {patch.supported} only; left out")
     for target in patch.targets:
         path = locate(target.module)
         if path is None:

@@ -19,7 +19,8 @@ class Target:
 class Patch:
     """One upstream bug, the versions it affects, the code it touches and how to fix it in-process.
 
-    - `affected`: PEP 440 specifier of the releases with the bug; `fixed_in`: first release fixed upstream.
+    - `affected`: PEP 440 specifier of the releases with the bug; `fixed_in`: first release fixed upstream;
+      `supported`: the releases the patch was written and tested for (older affected ones are left out).
     - `apply(ctx)`: installs the fix through ctx (dspatch._runtime.Transaction), which records every change
       so a failure part-way leaves nothing behind and `revert` can undo it.
     - `scenarios`: {name: callable} real-upstream reproducers. Each returns None when behaviour is correct
@@ -27,13 +28,14 @@ class Patch:
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
     """
 
-    def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, links=(), diffs=None,
-                 scenarios=None, expected_on_stock=()):
+    def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
+                 diffs=None, scenarios=None, expected_on_stock=()):
         self.id = id
         self.summary = summary
         self.distribution = distribution
         self.affected = affected
         self.fixed_in = fixed_in
+        self.supported = supported
         self.targets = tuple(targets)
         self.apply = apply
         self.links = tuple(links)
@@ -45,6 +47,15 @@ class Patch:
     @property
     def modules(self):
         return tuple(dict.fromkeys(t.module for t in self.targets))
+
+    def diff_for(self, version):
+        """The upstream diff (path under upstream_prs/) for this release, or None."""
+        from packaging.specifiers import SpecifierSet
+
+        for band, path in self.diffs.items():
+            if SpecifierSet(band).contains(version, prereleases=True):
+                return path
+        return None
 
     def __repr__(self):
         return f"<Patch {self.id}>"

@@ -176,7 +176,12 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/issues/6772",
            "https://github.com/deepspeedai/DeepSpeed/pull/6847"),
-    diffs={">=0.14.0,<=0.16.3": "deepspeed/0001-zero3-module-id-to-ds_id.patch"},
+    supported=">=0.14.0",  # the oldest release fingerprinted and run; older ones cannot use the CPU accelerator
+    # one diff per band of releases whose files differ around the change (each applies as it is)
+    diffs={">=0.14.0,<=0.15.3": "deepspeed/0001-zero3-module-id-to-ds_id-0.14.0-0.15.3.patch",
+           "==0.15.4": "deepspeed/0001-zero3-module-id-to-ds_id-0.15.4.patch",
+           ">=0.16.0,<=0.16.2": "deepspeed/0001-zero3-module-id-to-ds_id-0.16.0-0.16.2.patch",
+           "==0.16.3": "deepspeed/0001-zero3-module-id-to-ds_id-0.16.3.patch"},
     scenarios={"user_id_survives": user_id_survives, "placement_during_training": placement_during_training,
                "own_ds_id_kept": own_ds_id_kept},
     expected_on_stock=("user_id_survives", "placement_during_training"),

@@ -1,0 +1,120 @@
+"""dspatch's command line.
+
+    python -m dspatch.apply --check [--json] [--strict] [--verify]   what applies here, and why
+    python -m dspatch.apply [--only IDS] script.py [args...]         run a script with dspatch active
+
+`--check` decides from installed metadata and source files; it imports neither torch nor any patched
+package (except with --verify, which runs each applicable patch's reproducers in subprocesses).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import dspatch
+from dspatch import gating, registry
+
+PROBLEMS = (gating.DRIFTED, gating.FAILED)
+
+
+def _env_summary(environ):
+    shown = {k: environ[k] for k in ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT") if environ.get(k)}
+    if environ.get("DSPATCH", "").strip().lower() in registry.OFF_WORDS:
+        state = "DSPATCH is not set: nothing is applied until you set DSPATCH=1 (or a list of ids)"
+    else:
+        state = "active: patches marked 'applies' are applied when their package is imported"
+    return shown, state
+
+
+def _verify(patch):
+    """Run the reproducers on stock code and with the patch, each in a fresh interpreter."""
+    outcome = {}
+    for mode, extra in (("stock", []), ("patched", ["--apply"])):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DSPATCH")}
+        proc = subprocess.run([sys.executable, "-m", "dspatch.verify", patch.id, *extra], env=env,
+                              capture_output=True, text=True)
+        try:
+            outcome[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+        except (IndexError, ValueError, KeyError):
+            outcome[mode] = {"run": f"error: exit {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+    stock, patched = outcome["stock"], outcome["patched"]
+    reproduced = [n for n in patch.expected_on_stock if stock.get(n, "").startswith("bug")]
+    fixed = [n for n, r in patched.items() if r == "ok"]
+    ok = len(fixed) == len(patched) and bool(patched)
+    summary = (f"stock reproduces {len(reproduced)}/{len(patch.expected_on_stock)}, "
+               f"patched passes {len(fixed)}/{len(patched)}")
+    return ok, summary, outcome
+
+
+def check(args):
+    try:
+        rows = gating.check_all(args.only)
+    except registry.SelectionError as e:
+        print(f"dspatch: {e}", file=sys.stderr)
+        return 2
+    shown, state = _env_summary(os.environ)
+    status = 1 if args.strict and any(r.verdict in PROBLEMS for r in rows) else 0
+    verified = {}
+    if args.verify:
+        for row in rows:
+            if row.verdict in (gating.APPLIES, gating.APPLIED):
+                ok, summary, outcome = _verify(row.patch)
+                verified[row.patch.id] = {"ok": ok, "summary": summary, "scenarios": outcome}
+                status = status or (0 if ok else 1)
+    if args.json:
+        out = {"dspatch": dspatch.__version__, "environment": shown, "state": state, "patches": []}
+        for row in rows:
+            d = row.as_dict()
+            if row.patch.id in verified:
+                d["verify"] = verified[row.patch.id]
+            out["patches"].append(d)
+        print(json.dumps(out, indent=2))
+        return status
+    print(f"dspatch {dspatch.__version__}: {state}")
+    if shown:
+        print("  " + " ".join(f"{k}={v}" for k, v in shown.items()))
+    width = max(len(r.patch.id) for r in rows) + 2
+    for row in rows:
+        pkg = f"{row.patch.distribution}=={row.version}" if row.version else row.patch.distribution
+        print(f"\n{row.patch.id:<{width}}{pkg:<24}{row.verdict}")
+        print(f"  {row.patch.summary}")
+        print(f"  why: {row.reason}")
+        for link in row.patch.links:
+            print(f"  see: {link}")
+        if row.patch.id in verified:
+            v = verified[row.patch.id]
+            print(f"  verify: {'OK' if v['ok'] else 'FAILED'} ({v['summary']})")
+    return status
+
+
+def run_script(args):
+    dspatch.apply(args.only, strict=None)
+    sys.argv = [args.script, *args.script_args]
+    import runpy
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+    runpy.run_path(args.script, run_name="__main__")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m dspatch.apply", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--check", action="store_true", help="show every patch's verdict here, and why")
+    parser.add_argument("--json", action="store_true", help="with --check: machine-readable output")
+    parser.add_argument("--strict", action="store_true", help="with --check: exit 1 if a patch drifted or failed")
+    parser.add_argument("--verify", action="store_true",
+                        help="with --check: run each applicable patch's reproducers, stock and patched")
+    parser.add_argument("--only", type=registry.split, default=None, metavar="IDS",
+                        help="comma-separated patch ids or prefixes instead of DSPATCH")
+    parser.add_argument("script", nargs="?", help="a Python script to run with dspatch active")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.script and not args.check:
+        return run_script(args)
+    return check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

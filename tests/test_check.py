@@ -1,0 +1,61 @@
+"""`python -m dspatch.apply --check`: reads, never imports; tells the truth about this environment."""
+import json
+
+from dspatch import gating
+
+from conftest import clean_env, deepspeed_version, run_python
+
+HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "trl", "wrapt")
+
+
+def test_check_imports_no_target_and_no_torch():
+    code = ("import sys, json, contextlib, io\n"
+            "from dspatch.apply import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    rc = main(['--check', '--json'])\n"
+            "print(json.dumps({'rc': rc, 'report': json.loads(out.getvalue()), 'modules': sorted(sys.modules)}))\n")
+    proc = run_python(["-c", code], env=clean_env(DSPATCH="1"))
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    imported = {m.split(".")[0] for m in result["modules"]}
+    assert not imported & set(HEAVY), imported & set(HEAVY)
+    assert result["rc"] == 0
+    rows = {r["id"]: r for r in result["report"]["patches"]}
+    row = rows["deepspeed/zero3-module-id"]
+    version = deepspeed_version()
+    assert row["version"] == version
+    if version is None:
+        assert row["verdict"] == gating.NOT_INSTALLED
+    else:
+        from packaging.version import Version
+
+        expected = gating.APPLIES if Version(version) <= Version("0.16.3") else gating.FIXED_UPSTREAM
+        assert row["verdict"] == expected, row
+
+
+def test_check_table_names_every_patch_and_why():
+    proc = run_python(["-m", "dspatch.apply", "--check"])
+    assert "DSPATCH is not set" in proc.stdout
+    assert "deepspeed/zero3-module-id" in proc.stdout and "why: " in proc.stdout
+    assert "https://github.com/deepspeedai/DeepSpeed/issues/6772" in proc.stdout
+
+
+def test_malformed_dspatch_is_a_clear_error():
+    proc = run_python(["-m", "dspatch.apply", "--check"], env=clean_env(DSPATCH="deepspeed/zero3-moduleid"),
+                      check=False)
+    assert proc.returncode == 2
+    assert "unknown patch id 'deepspeed/zero3-moduleid'" in proc.stderr
+    assert "known ids: deepspeed/zero3-module-id" in proc.stderr
+
+
+def test_disabled_patch_says_so():
+    proc = run_python(["-m", "dspatch.apply", "--check", "--json"],
+                      env=clean_env(DSPATCH="1", DSPATCH_DISABLE="deepspeed/zero3-module-id"))
+    row = json.loads(proc.stdout)["patches"][0]
+    assert row["verdict"] == gating.DISABLED and "DSPATCH_DISABLE" in row["reason"]
+
+
+def test_export_writes_the_diffs(tmp_path):
+    run_python(["-m", "dspatch.export", "--out", str(tmp_path), "--all"])
+    written = sorted(p.name for p in (tmp_path / "deepspeed").iterdir())
+    assert written and all(name.startswith("0001-zero3-module-id") for name in written)
+    assert "Applied-Upstream: 0.16.4" in (tmp_path / "deepspeed" / written[-1]).read_text()

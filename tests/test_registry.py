@@ -1,0 +1,74 @@
+"""The registry, selection rules and fingerprints: pure Python, no upstream package needed."""
+import os
+import pkgutil
+
+import pytest
+
+from dspatch import data_dir, gating, registry
+from dspatch.spec import Patch
+
+from conftest import ROOT
+
+
+def test_every_patch_module_is_registered_and_complete():
+    patches = registry.all_patches()
+    found = set()
+    for group in ("deepspeed", "accelerate", "trl", "transformers"):
+        folder = os.path.join(ROOT, "patches", group)
+        if os.path.isdir(folder):
+            found |= {f"{group}.{m.name}" for m in pkgutil.iter_modules([folder])}
+    from dspatch import patches as package
+
+    assert found == set(package.MODULES), "a patch module exists that the registry does not list (or vice versa)"
+    for pid, patch in patches.items():
+        assert isinstance(patch, Patch) and pid.startswith(patch.distribution + "/")
+        assert patch.targets and all(t.fingerprints for t in patch.targets), pid
+        assert patch.links and patch.summary and patch.affected
+        assert set(patch.expected_on_stock) <= set(patch.scenarios) and patch.expected_on_stock
+        for diff in patch.diffs.values():
+            assert os.path.isfile(os.path.join(data_dir("upstream_prs"), diff)), diff
+
+
+@pytest.mark.parametrize("value", ["1", "all", "ALL", "true", " yes "])
+def test_all_words_select_everything(value):
+    chosen, left_out = registry.selection(environ={"DSPATCH": value})
+    assert chosen == list(registry.all_patches()) and not left_out
+
+
+@pytest.mark.parametrize("value", ["", "0", "off", "false"])
+def test_off_words_select_nothing(value):
+    chosen, _ = registry.selection(environ={"DSPATCH": value})
+    assert chosen == []
+
+
+def test_ids_prefixes_and_disable():
+    pid = "deepspeed/zero3-module-id"
+    assert registry.selection(environ={"DSPATCH": pid})[0] == [pid]
+    assert registry.selection(environ={"DSPATCH": " deepspeed , "})[0] == [pid]
+    chosen, left_out = registry.selection(environ={"DSPATCH": "1", "DSPATCH_DISABLE": pid})
+    assert chosen == [] and "DSPATCH_DISABLE" in left_out[pid]
+    assert registry.selection(ids=[pid], environ={})[0] == [pid]
+
+
+@pytest.mark.parametrize("value", ["deepspeed/zero3-moduleid", "yes-please", "deepspeed/zero3-module-id,bogus"])
+def test_unknown_ids_are_an_error_that_lists_the_known_ones(value):
+    with pytest.raises(registry.SelectionError) as e:
+        registry.selection(environ={"DSPATCH": value})
+    assert "deepspeed/zero3-module-id" in str(e.value) and "unknown patch id" in str(e.value)
+    with pytest.raises(registry.SelectionError):
+        registry.selection(environ={"DSPATCH": "1", "DSPATCH_DISABLE": value.split(",")[-1] + "x"})
+
+
+def test_fingerprint_ignores_formatting_but_not_code():
+    base = ["    def f(self, x):", "        y = x.id", "        return y"]
+    assert gating.fingerprint_lines(base) == gating.fingerprint_lines(
+        ["def f(self, x):", "", "    # a comment", "    y = x.id   ", "    return y"])
+    assert gating.fingerprint_lines(base) != gating.fingerprint_lines(
+        ["def f(self, x):", "    y = x.ds_id", "    return y"])
+
+
+def test_source_segment_includes_decorators(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("import x\n\nclass A:\n    @x.deco\n    def f(self):\n        return 1\n")
+    first, lines = gating.source_segment(str(path), "A.f")
+    assert first == 4 and lines[0].strip() == "@x.deco" and gating.source_segment(str(path), "A.g") is None

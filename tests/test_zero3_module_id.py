@@ -1,0 +1,211 @@
+"""deepspeed/zero3-module-id against the real deepspeed of this stack (nox sessions old, mid, latest).
+
+On an affected release: stock reproduces the bug, DSPATCH=1 fixes it, the upstream diff applied to a copy of
+the installed deepspeed fixes it with no monkeypatch, and changed source keeps the patch out.
+On a fixed release: the patch stays out and upstream's own code passes the same scenarios.
+"""
+import os
+import subprocess
+
+import pytest
+from packaging.version import Version
+
+from dspatch import data_dir, gating, registry
+
+from conftest import clean_env, deepspeed_version, run_python, verify
+
+pytestmark = pytest.mark.stack
+
+PID = "deepspeed/zero3-module-id"
+PATCH = registry.all_patches()[PID]
+ALL_OK = {name: "ok" for name in PATCH.scenarios}
+
+
+def affected():
+    return Version(deepspeed_version()) <= Version("0.16.3")
+
+
+def test_stock_upstream_reproduces_the_bug():
+    outcome = verify(PID, clean_env())
+    assert outcome["applied"] == []
+    results = outcome["results"]
+    if affected():
+        for name in PATCH.expected_on_stock:
+            assert results[name].startswith("bug:"), f"stock deepspeed no longer shows {name}: {results[name]}"
+        assert "became [3, 4, 5, 6]" in results["user_id_survives"] or "became" in results["user_id_survives"]
+    else:
+        assert results == ALL_OK, "upstream's own fix (0.16.4+) should pass every scenario"
+
+
+def test_dspatch_env_fixes_it_on_affected_releases_and_stays_out_elsewhere():
+    outcome = verify(PID, clean_env(DSPATCH="1"))
+    if affected():
+        assert outcome["applied"] == [PID]
+        assert outcome["results"] == ALL_OK
+    else:
+        assert outcome["applied"] == [] and outcome["results"] == ALL_OK
+
+
+def test_own_ds_id_is_refused_with_a_clear_message():
+    if not affected():
+        pytest.skip("deepspeed >= 0.16.4: upstream owns ds_id and the patch stays out")
+    code = ("import dspatch; dspatch.apply(['deepspeed/zero3-module-id'], strict=True)\n"
+            "from dspatch.scenario import init_deepspeed, zero3_config\n"
+            "from dspatch.patches.deepspeed.zero3_module_id import _moe_model\n"
+            "ds = init_deepspeed(); m = _moe_model(); m.experts[1].ds_id = 'mine'\n"
+            "try:\n    ds.initialize(model=m, config=zero3_config(), model_parameters=m.parameters())\n"
+            "except ValueError as e:\n    print('REFUSED', e)\n")
+    out = run_python(["-c", code]).stdout
+    assert "REFUSED Expert already has an attribute ds_id='mine' that DeepSpeed did not set" in out
+
+
+def _apply_diff(package_parent, version):
+    relative = PATCH.diff_for(version)
+    assert relative, f"no upstream diff covers deepspeed {version}"
+    diff = os.path.join(data_dir("upstream_prs"), relative)
+    subprocess.run(["git", "apply", "--check", diff], cwd=package_parent, check=True)
+    subprocess.run(["git", "apply", diff], cwd=package_parent, check=True)
+    return diff
+
+
+def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy):
+    if not affected():
+        pytest.skip("deepspeed >= 0.16.4 already contains the fix; the diff is a backport")
+    site, package = deepspeed_copy
+    _apply_diff(site, deepspeed_version())
+    outcome = verify(PID, clean_env(PYTHONPATH=site))
+    assert outcome["applied"] == [] and outcome["results"] == ALL_OK
+
+
+def test_upstream_diff_is_accepted_by_git_am(deepspeed_copy):
+    if not affected():
+        pytest.skip("deepspeed >= 0.16.4 already contains the fix")
+    site, _ = deepspeed_copy
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    git = lambda *a: subprocess.run(["git", *a], cwd=site, env=env, check=True, capture_output=True, text=True)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "installed deepspeed")
+    git("am", os.path.join(data_dir("upstream_prs"), PATCH.diff_for(deepspeed_version())))
+    assert "ds_id" in git("log", "-1", "--format=%s%n%b").stdout
+
+
+def _drift(package):
+    """Change one target function the way a fork or a dev build would."""
+    target = PATCH.targets[-1]
+    path = os.path.join(package, *target.module.split(".")[1:]) + ".py"
+    first, lines = gating.source_segment(path, target.qualname)
+    text = open(path).read().split("\n")
+    body_indent = " " * (len(lines[0]) - len(lines[0].lstrip()) + 4)
+    text.insert(first - 1 + len(lines), f"{body_indent}_local_change = True")
+    open(path, "w").write("\n".join(text))
+
+
+def test_drifted_source_keeps_the_patch_out_and_the_job_running(deepspeed_copy):
+    if not affected():
+        pytest.skip("the version gate decides first on fixed releases")
+    site, package = deepspeed_copy
+    _drift(package)
+    proc = run_python(["-m", "dspatch.verify", PID, "--only", "user_id_survives"],
+                      env=clean_env(PYTHONPATH=site, DSPATCH="1"))
+    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
+    assert len(said) == 1, said  # reported once
+    assert "deepspeed/zero3-module-id skipped" in said[0] and "differs from every release" in said[0]
+    import json
+
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome["applied"] == [] and outcome["results"]["user_id_survives"].startswith("bug:")
+    # nothing half-applied: every target is upstream's own function
+    code = ("import deepspeed.runtime.zero.parameter_offload as po, deepspeed.runtime.zero.partitioned_param_coordinator as pc\n"
+            "import wrapt; print(any(isinstance(v, wrapt.FunctionWrapper) for c in (po.DeepSpeedZeRoOffload, "
+            "pc.PartitionedParameterCoordinator) for v in vars(c).values()))")
+    assert run_python(["-c", code], env=clean_env(PYTHONPATH=site, DSPATCH="1")).stdout.strip().endswith("False")
+    # --check agrees, and --strict turns drift into a non-zero exit
+    check = run_python(["-m", "dspatch.apply", "--check", "--strict"], env=clean_env(PYTHONPATH=site), check=False)
+    assert check.returncode == 1 and "drifted" in check.stdout
+
+
+def test_strict_makes_drift_an_import_error(deepspeed_copy):
+    if not affected():
+        pytest.skip("the version gate decides first on fixed releases")
+    site, package = deepspeed_copy
+    _drift(package)
+    proc = run_python(["-c", "import deepspeed"], env=clean_env(PYTHONPATH=site, DSPATCH="1", DSPATCH_STRICT="1"),
+                      check=False)
+    assert proc.returncode != 0 and "PatchError" in proc.stderr and "DSPATCH_STRICT=1" in proc.stderr
+
+
+def test_import_order_revert_and_idempotence():
+    """dspatch.apply() after `import deepspeed` patches at once; twice changes nothing; revert restores."""
+    if not affected():
+        pytest.skip("nothing to apply on a fixed release")
+    code = r'''
+import json, deepspeed, dspatch, wrapt
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
+from dspatch.patches.deepspeed import zero3_module_id as p
+from dspatch.spec import BugSeen
+originals = {n: vars(O)[n] for n in vars(O)}
+def outcome():
+    try:
+        p.user_id_survives(); return "ok"
+    except BugSeen as e:
+        return "bug"
+first = dspatch.apply(["deepspeed/zero3-module-id"])
+wrapped = vars(O)["_register_hooks_recursively"]
+second = dspatch.apply(["deepspeed/zero3-module-id"])
+report = {"first": first["deepspeed/zero3-module-id"][0], "second": second["deepspeed/zero3-module-id"][0],
+          "same_wrapper": vars(O)["_register_hooks_recursively"] is wrapped,
+          "is_wrapper": isinstance(wrapped, wrapt.FunctionWrapper),
+          "defaults_shared": wrapped.__wrapped__.__defaults__[0] is originals["_register_hooks_recursively"].__defaults__[0],
+          "patched": outcome()}
+report["reverted"] = dspatch.revert()
+report["restored"] = all(vars(O)[n] is f for n, f in originals.items())
+report["after_revert"] = outcome()
+print(json.dumps(report))
+'''
+    report = __import__("json").loads(run_python(["-c", code]).stdout.strip().splitlines()[-1])
+    assert report == {"first": "applied", "second": "applied", "same_wrapper": True, "is_wrapper": True,
+                      "defaults_shared": True, "patched": "ok", "reverted": [PID], "restored": True,
+                      "after_revert": "bug"}
+
+
+def test_rebuilt_functions_keep_upstream_identity():
+    """Names, line numbers and decorators of the rebuilt functions are upstream's (tracebacks stay true)."""
+    if not affected():
+        pytest.skip("nothing to apply on a fixed release")
+    code = r'''
+import json, dspatch, deepspeed, inspect
+dspatch.apply(["deepspeed/zero3-module-id"], strict=True)
+from dspatch.patches.deepspeed.zero3_module_id import PATCH
+from dspatch.rewrite import _functions_in
+import sys
+def names(code):  # attribute names used, comprehensions and nested functions included
+    found = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            found |= names(const)
+    return found
+rows = []
+for t in PATCH.targets:
+    owner = getattr(sys.modules[t.module], t.qualname.split(".")[0])
+    w = vars(owner)[t.qualname.split(".")[1]]
+    name = t.qualname.split(".")[1]
+    new = [f for f in _functions_in(w._self_wrapper.__defaults__[0]) if f.__code__.co_name == name][0]
+    old = [f for f in _functions_in(w.__wrapped__) if f.__code__.co_name == name][0]
+    rows.append([t.qualname, new.__qualname__ == old.__qualname__, new.__code__.co_firstlineno == old.__code__.co_firstlineno,
+                 new.__code__.co_filename == old.__code__.co_filename, new.__module__ == old.__module__,
+                 "ds_id" in names(new.__code__) and "id" not in names(new.__code__) and "id" in names(old.__code__)])
+print(json.dumps(rows))
+'''
+    rows = __import__("json").loads(run_python(["-c", code]).stdout.strip().splitlines()[-1])
+    assert len(rows) == len(PATCH.targets)
+    for row in rows:
+        assert row[1:] == [True] * 5, row
+
+
+def test_launcher_forwards_dspatch_to_every_node():
+    code = "import deepspeed.launcher.runner as r; print('DSPATCH' in r.EXPORT_ENVS)"
+    assert run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().endswith("True")
+    assert run_python(["-c", code], env=clean_env()).stdout.strip().endswith("False")
