@@ -32,6 +32,9 @@ def _resolve_tokens(tokens, source):
     known = all_patches()
     chosen = []
     for token in tokens:
+        if token.lower() in ON_WORDS:
+            chosen.extend(known)
+            continue
         # an id, or a prefix of ids ending at a "/" (e.g. "deepspeed" selects every deepspeed/... patch)
         hits = [pid for pid in known if pid == token or pid.startswith(token.rstrip("/") + "/")]
         if not hits:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -38,8 +39,9 @@ def clean_env(**extra):
 
 
 def run_python(args, env=None, check=True, timeout=900, cwd=None):
+    """Run this interpreter in a neutral directory, so that it uses dspatch as installed, not the checkout."""
     proc = subprocess.run([sys.executable, *args], env=clean_env() if env is None else env, capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd or ROOT)
+                          text=True, timeout=timeout, cwd=cwd or tempfile.gettempdir())
     if check and proc.returncode != 0:
         raise AssertionError(f"python {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")

@@ -1,0 +1,73 @@
+"""Test matrix over real upstream stacks (UPSTREAM.md section 6), plus a torch-free unit session.
+
+    nox                 unit + old + mid + latest (what CI runs)
+    nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1
+    nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
+"""
+import os
+
+import nox
+
+nox.options.sessions = ["unit", "old", "mid", "latest"]
+nox.options.error_on_missing_interpreters = True
+
+# torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
+# package can pull a CUDA build of torch afterwards.
+TORCH = "torch==2.13.0"
+STACKS = {
+    "old": ["deepspeed==0.14.4", "transformers==4.44.2", "accelerate==0.34.2", "trl==0.11.4", "rich"],
+    "mid": ["deepspeed==0.16.3", "transformers==4.57.6", "accelerate==1.10.1", "trl==1.12.0"],
+    "latest": ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0"],
+}
+TEST_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def install_stack(session, name):
+    session.install(TORCH)
+    session.install(*STACKS[name])
+    session.install(".", "pytest")  # dspatch as a user gets it: a wheel, with its .pth
+
+
+@nox.session(python="3.11")
+def unit(session):
+    """Registry, selection, --check without any target, activation cost, packaging, every release's verdict."""
+    session.install(".", "pytest")
+    cache = os.path.join(session.cache_dir, "releases")  # downloaded sdists, kept between runs
+    session.run("pytest", "-m", "not stack", *session.posargs,
+                env={**TEST_ENV, "DSPATCH_RELEASE_CACHE": os.path.abspath(cache)})
+
+
+def stack_session(name):
+    @nox.session(python="3.11", name=name)
+    def run(session):
+        install_stack(session, name)
+        session.run("pytest", "-m", "not unit_only", *session.posargs,
+                    env={**TEST_ENV, "DSPATCH_TEST_STACK": name})
+
+    run.__doc__ = f"Every patch proven against real {', '.join(STACKS[name])} (torch 2.13 CPU)."
+    return run
+
+
+for _name in STACKS:
+    globals()[_name] = stack_session(_name)
+
+
+@nox.session(python="3.11")
+def demo(session):
+    """The main job: old stack, `--check`, then a tiny 2-rank ZeRO-3 MoE job, stock and with DSPATCH=1."""
+    install_stack(session, "old")
+    env = {"DS_ACCELERATOR": "cpu"}
+    session.run("python", "-m", "dspatch.apply", "--check", env=env)
+    job = ["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+           "examples/zero3_expert_ids.py"]
+    session.log("stock deepspeed 0.14.4: the experts' own ids are overwritten")
+    session.run(*job, env=env)
+    session.log("DSPATCH=1: the same job, patched on every rank")
+    session.run(*job, "--require-fixed", env={**env, "DSPATCH": "1"})
+
+
+@nox.session(python="3.11")
+def bench(session):
+    """Start-up, --check and ZeRO-3 step benchmarks on the old stack; prints ratios measured in one run."""
+    install_stack(session, "old")
+    session.run("python", "bench/run.py", *session.posargs, env={"DS_ACCELERATOR": "cpu"})

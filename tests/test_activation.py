@@ -1,0 +1,59 @@
+"""What dspatch.pth does at interpreter start, and how activation behaves on a real stack."""
+import json
+
+import pytest
+
+from conftest import clean_env, deepspeed_version, run_python
+
+LOADED = "import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in " \
+         "('dspatch', 'wrapt', 'packaging', 'torch', 'deepspeed'))))"
+
+
+def _loaded(env):
+    return json.loads(run_python(["-c", LOADED], env=env).stdout.strip().splitlines()[-1])
+
+
+def test_unset_reads_the_environment_and_nothing_else():
+    assert _loaded(clean_env()) == []
+    assert _loaded(clean_env(DSPATCH="0")) == []
+
+
+def test_set_installs_only_the_tiny_hook():
+    # no wrapt, no packaging, no patch machinery until a watched package is imported
+    assert _loaded(clean_env(DSPATCH="1")) == ["dspatch", "dspatch._boot"]
+
+
+@pytest.mark.stack
+def test_first_target_import_loads_and_applies():
+    code = "import deepspeed; " + LOADED
+    loaded = json.loads(run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1])
+    assert "dspatch._runtime" in loaded and "deepspeed" in loaded
+    from packaging.version import Version
+
+    if Version(deepspeed_version()) <= Version("0.16.3"):
+        assert "wrapt" in loaded  # a patch was applied
+    proc = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="1"))
+    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
+    assert len(said) <= 1, said  # quiet: one line at most
+
+
+@pytest.mark.stack
+def test_other_watched_packages_import_normally_with_the_hook():
+    code = "import transformers, accelerate, trl, deepspeed; print('fine')"
+    assert run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().endswith("fine")
+
+
+@pytest.mark.stack
+def test_unknown_id_in_dspatch_is_reported_and_the_import_goes_on():
+    proc = run_python(["-c", "import deepspeed; print('imported')"], env=clean_env(DSPATCH="deepspeed/nope"))
+    assert proc.stdout.strip().endswith("imported")
+    assert "unknown patch id 'deepspeed/nope'" in proc.stderr and "deepspeed/zero3-module-id" in proc.stderr
+    strict = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="deepspeed/nope", DSPATCH_STRICT="1"),
+                        check=False)
+    assert strict.returncode != 0 and "SelectionError" in strict.stderr
+
+
+@pytest.mark.stack
+def test_local_rank_other_than_zero_is_quiet():
+    proc = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="1", LOCAL_RANK="1"))
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]

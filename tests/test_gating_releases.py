@@ -1,0 +1,65 @@
+"""Gating verdicts against every released deepspeed 0.14.0-0.19.8 (sdists from PyPI, nothing executed), and
+every upstream diff against every release of its band."""
+import os
+import subprocess
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from dspatch import data_dir, gating, registry
+
+from upstream_releases import extract_modules, sdist_versions
+
+pytestmark = pytest.mark.unit_only
+
+PATCH = registry.all_patches()["deepspeed/zero3-module-id"]
+RELEASES = sdist_versions("deepspeed", "0.14.0", "0.19.8")
+
+
+def test_the_release_list_is_complete():
+    assert RELEASES[0] == "0.14.0" and RELEASES[-1] == "0.19.8" and len(RELEASES) >= 45
+    assert "0.16.3" in RELEASES and "0.16.4" in RELEASES
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_verdict_for_release(version, tmp_path):
+    locate = extract_modules("deepspeed", version, PATCH.modules, str(tmp_path))
+    _, verdict, reason = gating.evaluate(PATCH, version=version, locate=locate)
+    if Version(version) <= Version("0.16.3"):
+        assert verdict == gating.APPLIES, reason
+        diff = PATCH.diff_for(version)
+        assert diff, f"no upstream diff for {version}"
+        subprocess.run(["git", "apply", "--check", os.path.join(data_dir("upstream_prs"), diff)], cwd=tmp_path,
+                       check=True)
+    else:
+        assert verdict == gating.FIXED_UPSTREAM, reason
+
+
+def test_every_recorded_fingerprint_matches_a_release(tmp_path):
+    """No stale entries: each accepted fingerprint is the source of at least one affected release."""
+    seen = {t.qualname: set() for t in PATCH.targets}
+    for version in RELEASES:
+        if Version(version) > Version("0.16.3"):
+            continue
+        locate = extract_modules("deepspeed", version, PATCH.modules, str(tmp_path / version))
+        for t in PATCH.targets:
+            seen[t.qualname].add(gating.fingerprint(locate(t.module), t.qualname))
+    for t in PATCH.targets:
+        assert set(t.fingerprints) == seen[t.qualname], t
+
+
+def test_versions_outside_the_written_range():
+    def verdict(version):
+        return gating.evaluate(PATCH, version=version, locate=lambda m: None)[1]
+
+    assert verdict("0.13.5") == gating.UNSUPPORTED
+    assert verdict("0.16.4") == gating.FIXED_UPSTREAM and verdict("1.0.0") == gating.FIXED_UPSTREAM
+    assert verdict("0.16.3+cu121") == gating.DRIFTED  # in range, but its files could not be found here
+    assert verdict("not-a-version") == gating.DRIFTED
+
+
+def test_diff_bands_cover_exactly_the_affected_releases():
+    affected = [v for v in RELEASES if Version(v) <= Version("0.16.3")]
+    for version in affected:
+        assert sum(SpecifierSet(b).contains(version) for b in PATCH.diffs) == 1, version
