@@ -72,3 +72,17 @@ def test_source_segment_includes_decorators(tmp_path):
     path.write_text("import x\n\nclass A:\n    @x.deco\n    def f(self):\n        return 1\n")
     first, lines = gating.source_segment(str(path), "A.f")
     assert first == 4 and lines[0].strip() == "@x.deco" and gating.source_segment(str(path), "A.g") is None
+
+
+def test_readme_patch_table_is_generated_from_the_registry():
+    from dspatch.table import block
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert block() in readme, "README.md's patch table is stale: run `python -m dspatch.table --write`"
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    command = readme.split("<!-- test-command -->\n", 1)[1].splitlines()[0].strip()
+    assert command.endswith("python3 -m nox")
+    assert "test-command" in open(os.path.join(ROOT, ".ci", "run")).read()
