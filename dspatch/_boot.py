@@ -5,7 +5,9 @@ that notices when a module of a watched package finishes executing; only then is
 (dspatch._runtime, wrapt, packaging) imported. Packages imported before this hook are handled by the
 runtime at activation.
 """
+import os
 import sys
+import threading
 
 WATCHED = ("deepspeed", "accelerate", "transformers", "trl")
 
@@ -15,12 +17,15 @@ class PostImportFinder:
 
     def __init__(self, on_loaded):
         self.on_loaded = on_loaded
-        self._resolving = set()
+        self._local = threading.local()  # names this thread is resolving through the other finders
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] not in WATCHED or fullname in self._resolving:
+        if fullname.partition(".")[0] not in WATCHED:
             return None
-        self._resolving.add(fullname)
+        resolving = self._local.__dict__.setdefault("names", set())
+        if fullname in resolving:
+            return None
+        resolving.add(fullname)
         try:
             spec = None
             for finder in sys.meta_path:
@@ -30,7 +35,7 @@ class PostImportFinder:
                     if spec is not None:
                         break
         finally:
-            self._resolving.discard(fullname)
+            resolving.discard(fullname)
         loader = getattr(spec, "loader", None)
         exec_module = getattr(loader, "exec_module", None)
         # Only per-module loader instances (source and bytecode files) are hooked; shared loaders are left alone.
@@ -46,10 +51,22 @@ class PostImportFinder:
         return spec
 
 
-def _notify(name):
-    from dspatch import _runtime
+_failed = []
 
-    _runtime.module_loaded(name)
+
+def _notify(name):
+    # The user's import must survive any failure of dspatch itself; DSPATCH_STRICT=1 wants it to surface.
+    try:
+        from dspatch import _runtime
+
+        _runtime.module_loaded(name)
+    except Exception as e:
+        if os.environ.get("DSPATCH_STRICT", "").strip().lower() not in ("", "0", "false", "no", "off"):
+            raise
+        if not _failed:
+            _failed.append(e)
+            print(f"dspatch: internal error after importing {name}: {type(e).__name__}: {e} "
+                  f"(dspatch left this import alone; please report it)", file=sys.stderr)
 
 
 def finder():

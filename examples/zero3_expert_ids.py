@@ -6,26 +6,20 @@ trained a few ZeRO-3 steps. On deepspeed <= 0.16.3 ZeRO-3 overwrites those ids; 
 import os
 import sys
 
-from dspatch.patches.deepspeed.zero3_module_id import _moe_model, _train
-from dspatch.scenario import init_deepspeed, zero3_config
+import dspatch._runtime
+from dspatch.patches.deepspeed.zero3_module_id import expert_ids_through_training
 
 
 def main():
-    deepspeed = init_deepspeed()
-    model = _moe_model()
-    placed = [expert.id for expert in model.experts]
-    engine, *_ = deepspeed.initialize(model=model, config=zero3_config(), model_parameters=model.parameters())
-    _train(engine, 3)
-    now = [expert.id for expert in model.experts]
-    rank = os.environ.get("RANK", "0")
-    import dspatch._runtime
+    placed, now = expert_ids_through_training(steps=3)
+    import deepspeed
 
-    patched = dspatch._runtime.applied_ids()
+    where = f"deepspeed {deepspeed.__version__}, dspatch: {dspatch._runtime.applied_ids() or 'not active'}"
+    rank = os.environ.get("RANK", "0")
     if now == placed:
-        print(f"rank {rank}: expert ids kept {now} (deepspeed {deepspeed.__version__}, dspatch: {patched})")
+        print(f"rank {rank}: expert ids kept {now} ({where})")
         return 0
-    print(f"rank {rank}: BUG: expert ids {placed} became {now} (deepspeed {deepspeed.__version__}, "
-          f"dspatch: {patched or 'not active'})")
+    print(f"rank {rank}: BUG: expert ids {placed} became {now} ({where})")
     return 1 if "--require-fixed" in sys.argv else 0
 
 

@@ -57,3 +57,17 @@ def test_unknown_id_in_dspatch_is_reported_and_the_import_goes_on():
 def test_local_rank_other_than_zero_is_quiet():
     proc = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="1", LOCAL_RANK="1"))
     assert not [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
+
+
+@pytest.mark.stack
+def test_an_internal_dspatch_error_never_breaks_the_import():
+    code = ("import dspatch._runtime as r\n"
+            "def broken(name): raise ZeroDivisionError('simulated dspatch bug')\n"
+            "r.module_loaded = broken\n"
+            "import deepspeed; print('imported')")
+    proc = run_python(["-c", code], env=clean_env(DSPATCH="1"))
+    assert proc.stdout.strip().endswith("imported")
+    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
+    assert len(said) == 1 and "internal error" in said[0] and "simulated dspatch bug" in said[0]
+    strict = run_python(["-c", code], env=clean_env(DSPATCH="1", DSPATCH_STRICT="1"), check=False)
+    assert strict.returncode != 0 and "simulated dspatch bug" in strict.stderr

@@ -219,3 +219,48 @@ def test_launcher_forwards_dspatch_to_every_node():
     code = "import deepspeed.launcher.runner as r; print('DSPATCH' in r.EXPORT_ENVS)"
     assert run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().endswith("True")
     assert run_python(["-c", code], env=clean_env()).stdout.strip().endswith("False")
+
+
+def test_a_patch_that_fails_part_way_is_rolled_back_whole():
+    """An exception after some targets are wrapped leaves every target upstream's own; strict raises."""
+    if not affected():
+        pytest.skip("nothing to apply on a fixed release")
+    code = r'''
+import json, sys, deepspeed, wrapt, dspatch
+from dspatch import rewrite
+from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
+real, calls = rewrite.rebuild, []
+def flaky(target, transform, original):  # dspatch's own step fails on the 5th of 9 targets
+    calls.append(target.qualname)
+    if len(calls) == 5:
+        raise RuntimeError("injected failure")
+    return real(target, transform, original)
+rewrite.rebuild = flaky
+result = dspatch.apply(["deepspeed/zero3-module-id"])
+wrapped = [n for c in (O, C) for n, v in vars(c).items() if isinstance(v, wrapt.FunctionWrapper)]
+calls.clear(); dspatch.revert()
+try:
+    dspatch.apply(["deepspeed/zero3-module-id"], strict=True); strict = "no error"
+except Exception as e:
+    strict = type(e).__name__
+print(json.dumps({"verdict": result["deepspeed/zero3-module-id"], "wrapped": wrapped, "strict": strict}))
+'''
+    proc = run_python(["-c", code])
+    report = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert report["verdict"][0] == "failed" and "injected failure" in report["verdict"][1]
+    assert report["wrapped"] == [], "half-applied"
+    assert report["strict"] == "PatchError"
+    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
+    assert len(said) == 1 and "could not apply" in said[0] and "nothing changed" in said[0]
+
+
+def test_check_verify_shows_bug_and_fix_on_this_machine():
+    proc = run_python(["-m", "dspatch.apply", "--check", "--verify", "--json"], check=False)
+    row = __import__("json").loads(proc.stdout)["patches"][0]
+    if affected():
+        assert proc.returncode == 0, proc.stderr
+        assert row["verify"]["ok"] is True
+        assert row["verify"]["summary"] == "stock reproduces 2/2, patched passes 3/3"
+    else:
+        assert "verify" not in row and row["verdict"] == gating.FIXED_UPSTREAM

@@ -109,16 +109,21 @@ def _train(engine, steps):
         engine.step()
 
 
-def user_id_survives():
-    """(a) The model's own expert ids are the same after initialize and three ZeRO-3 steps."""
+def expert_ids_through_training(steps=3):
+    """The experts' own ids before deepspeed.initialize and after `steps` ZeRO-3 steps."""
     from dspatch.scenario import init_deepspeed, zero3_config
 
     deepspeed = init_deepspeed()
     model = _moe_model()
     before = [e.id for e in model.experts]
     engine, *_ = deepspeed.initialize(model=model, config=zero3_config(), model_parameters=model.parameters())
-    _train(engine, 3)
-    after = [e.id for e in model.experts]
+    _train(engine, steps)
+    return before, [e.id for e in model.experts]
+
+
+def user_id_survives():
+    """(a) The model's own expert ids are the same after initialize and three ZeRO-3 steps."""
+    before, after = expert_ids_through_training()
     if after != before:
         raise BugSeen(f"expert ids {before} became {after} under ZeRO-3")
 
