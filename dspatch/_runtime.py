@@ -57,6 +57,7 @@ def module_loaded(name):
         if not _active:
             activate(None, None)
         else:
+            _requeue_if_reloaded(name)
             _apply_ready(name)
         if name == LAUNCHER:
             forward_to_nodes()
@@ -102,6 +103,16 @@ def activate(ids, strict):
             forward_to_nodes()
         return {pid: _outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
                 for pid in chosen}
+
+
+def _requeue_if_reloaded(name):
+    # importlib.reload() re-executes a module: its classes are new, unpatched objects. Apply again.
+    for pid, txn in list(_applied.items()):
+        if name in txn.patch.modules and not txn.intact():
+            txn.rollback()  # where its wrappers still sit (the modules not reloaded)
+            del _applied[pid]
+            _outcome.pop(pid, None)
+            _pending[pid] = txn.patch
 
 
 def _apply_ready(trigger):
@@ -166,7 +177,7 @@ class Transaction:
 
     def __init__(self, patch):
         self.patch = patch
-        self._undo = []
+        self._undo = []  # (target, owner, attribute, original, installed wrapper)
 
     def target(self, qualname):
         for t in self.patch.targets:
@@ -187,11 +198,21 @@ class Transaction:
         import wrapt
 
         owner, name, original = self.resolve(target)
-        setattr(owner, name, wrapt.FunctionWrapper(original, wrapper))
-        self._undo.append((owner, name, original))
+        installed = wrapt.FunctionWrapper(original, wrapper)
+        setattr(owner, name, installed)
+        self._undo.append((target, owner, name, original, installed))
         return original
 
+    def intact(self):
+        """Whether every wrapper is still where it was installed (False after a reload)."""
+        try:
+            return all(self.resolve(target)[2] is installed for target, _, _, _, installed in self._undo)
+        except (KeyError, AttributeError):
+            return False
+
     def rollback(self):
+        """Restore every original whose wrapper is still in place (never undo someone else's change)."""
         while self._undo:
-            owner, name, original = self._undo.pop()
-            setattr(owner, name, original)
+            _, owner, name, original, installed = self._undo.pop()
+            if vars(owner).get(name) is installed:
+                setattr(owner, name, original)

@@ -264,3 +264,18 @@ def test_check_verify_shows_bug_and_fix_on_this_machine():
         assert row["verify"]["summary"] == "stock reproduces 2/2, patched passes 3/3"
     else:
         assert "verify" not in row and row["verdict"] == gating.FIXED_UPSTREAM
+
+
+def test_reloading_a_patched_module_patches_it_again():
+    if not affected():
+        pytest.skip("nothing to apply on a fixed release")
+    code = ("import importlib, wrapt, deepspeed, dspatch._runtime as r\n"
+            "import deepspeed.runtime.zero.partitioned_param_coordinator as pc\n"
+            "from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O\n"
+            "first = vars(O)['_register_hooks_recursively']\n"
+            "importlib.reload(pc)\n"
+            "again = vars(O)['_register_hooks_recursively']\n"
+            "print(isinstance(vars(pc.PartitionedParameterCoordinator)['reset_step'], wrapt.FunctionWrapper), "
+            "again is not first and not isinstance(again.__wrapped__, wrapt.FunctionWrapper), r.applied_ids())")
+    out = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1]
+    assert out == f"True True ['{PID}']"  # re-applied whole, never a wrapper around a wrapper
