@@ -34,11 +34,14 @@ def apply(ids=None, strict=None):
     return _runtime.activate(ids, strict)
 
 
-def revert(ids=None):
-    """Undo applied patches (all, or these ids) and stop patching later imports. Returns the ids reverted."""
+def revert(ids=None, force=False):
+    """Undo applied patches (all, or these ids) and stop patching later imports. Returns the ids reverted.
+
+    Refused (RuntimeError) while objects built under a patch may still depend on it, e.g. a ZeRO-3 engine
+    (DeepSpeed keeps every engine reachable); `force=True` when those will not be used again."""
     from dspatch import _runtime
 
-    return _runtime.revert(ids)
+    return _runtime.revert(ids, force)
 
 
 def check(ids=None):

@@ -1,4 +1,4 @@
-"""Start-up hook, run from dspatch.pth only when DSPATCH is set.
+"""Start-up hook, run from dspatch.pth only when DSPATCH is set (to anything but an off word).
 
 It must stay cheap: standard library only, no file reads. It puts a finder at the front of sys.meta_path
 that notices when a module of a watched package finishes executing; only then is the patch machinery
@@ -10,17 +10,48 @@ import sys
 import threading
 
 WATCHED = ("deepspeed", "accelerate", "transformers", "trl")
+OFF_WORDS = ("", "0", "false", "no", "off", "none")  # dspatch.pth and dspatch.registry use the same words
+
+
+def strict():
+    return os.environ.get("DSPATCH_STRICT", "").strip().lower() not in OFF_WORDS
+
+
+class NotifyingLoader:
+    """Stands in for one spec's loader: runs the real loader, then reports the module as loaded.
+
+    The real loader is never modified (zipimporter and other loaders are shared between modules), and the
+    module gets the real loader back as __loader__ / __spec__.loader before it executes."""
+
+    def __init__(self, loader, on_loaded):
+        self.loader = loader
+        self.on_loaded = on_loaded
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        create = getattr(self.loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module):
+        module.__loader__ = self.loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        self.on_loaded(module.__name__)
 
 
 class PostImportFinder:
     """Finds nothing itself: asks the other finders, then chains a notification after exec_module."""
 
-    def __init__(self, on_loaded):
+    def __init__(self, on_loaded, watched=WATCHED):
         self.on_loaded = on_loaded
+        self.watched = tuple(watched)
         self._local = threading.local()  # names this thread is resolving through the other finders
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] not in WATCHED:
+        if fullname.partition(".")[0] not in self.watched:
             return None
         resolving = self._local.__dict__.setdefault("names", set())
         if fullname in resolving:
@@ -37,17 +68,8 @@ class PostImportFinder:
         finally:
             resolving.discard(fullname)
         loader = getattr(spec, "loader", None)
-        exec_module = getattr(loader, "exec_module", None)
-        # Only per-module loader instances (source and bytecode files) are hooked; shared loaders are left alone.
-        if exec_module is None or isinstance(loader, type) or not hasattr(loader, "__dict__"):
-            return spec
-        on_loaded = self.on_loaded
-
-        def exec_module_then_notify(module):
-            exec_module(module)
-            on_loaded(module.__name__)
-
-        loader.exec_module = exec_module_then_notify
+        if loader is not None and hasattr(loader, "exec_module") and not isinstance(loader, NotifyingLoader):
+            spec.loader = NotifyingLoader(loader, self.on_loaded)
         return spec
 
 
@@ -61,7 +83,7 @@ def _notify(name):
 
         _runtime.module_loaded(name)
     except Exception as e:
-        if os.environ.get("DSPATCH_STRICT", "").strip().lower() not in ("", "0", "false", "no", "off"):
+        if strict():
             raise
         if not _failed:
             _failed.append(e)
@@ -77,14 +99,20 @@ def finder():
 
 
 def install():
-    """Called by dspatch.pth. Never raises into `site`: a broken hook must not break the interpreter."""
+    """Called by dspatch.pth. Never raises into `site` (which would print and carry on regardless): a
+    failure is reported, and with DSPATCH_STRICT=1 it ends the process, as an error at import would."""
     if finder() is None:
         sys.meta_path.insert(0, PostImportFinder(_notify))
     if any(name in sys.modules for name in WATCHED):
         # Something imported a target before us (another .pth): let the runtime catch up now.
-        from dspatch import _runtime
+        try:
+            from dspatch import _runtime
 
-        _runtime.activate(None, None)
+            _runtime.activate(None, None)
+        except Exception as e:
+            print(f"dspatch: {type(e).__name__}: {e}", file=sys.stderr)
+            if strict():
+                raise SystemExit(2)
 
 
 def uninstall():

@@ -17,6 +17,7 @@ _applied = {}    # id -> Transaction
 _outcome = {}    # id -> (verdict, reason) decided in this process
 _finished = set()  # watched modules that finished executing since the hook was installed
 _reported = set()
+_strict_failures = {}  # id -> message: under DSPATCH_STRICT=1 every later import of its modules fails too
 
 
 class PatchError(RuntimeError):
@@ -61,6 +62,10 @@ def module_loaded(name):
             _apply_ready(name)
         if name == LAUNCHER:
             forward_to_nodes()
+        if _strict:
+            for pid, message in _strict_failures.items():
+                if name in registry.all_patches()[pid].modules:
+                    raise PatchError(message)
 
 
 # The multi-node DeepSpeed launcher (`deepspeed --hostfile ...`, also behind `accelerate launch`) passes on
@@ -98,7 +103,7 @@ def activate(ids, strict):
             if pid not in _applied:
                 _outcome.pop(pid, None)
                 _pending[pid] = patches[pid]
-        _apply_ready(None)
+        _apply_ready(None, late=True)
         if _module_ready(LAUNCHER):
             forward_to_nodes()
         return {pid: _outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
@@ -115,46 +120,62 @@ def _requeue_if_reloaded(name):
             _pending[pid] = txn.patch
 
 
-def _apply_ready(trigger):
+def _apply_ready(trigger, late=False):
+    """Apply pending patches whose modules have all finished importing. `late`: they finished before
+    activation, so upstream objects may already be in use."""
     for pid, patch in list(_pending.items()):
         if trigger is not None and trigger not in patch.modules:
             continue
         if all(_module_ready(m) for m in patch.modules):
             del _pending[pid]
-            _apply_one(patch)
+            _apply_one(patch, late)
 
 
-def _apply_one(patch):
+def _fail(patch, verdict, reason, message, cause=None):
+    _outcome[patch.id] = (verdict, reason)
+    _report(patch.id, message)
+    if _strict:
+        _strict_failures[patch.id] = f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)"
+        raise PatchError(_strict_failures[patch.id]) from cause
+
+
+def _apply_one(patch, late=False):
     version, verdict, reason = gating.evaluate(patch)
+    if verdict == gating.DRIFTED:
+        return _fail(patch, verdict, reason, f"{patch.id} skipped: {reason}")
     if verdict != gating.APPLIES:
         _outcome[patch.id] = (verdict, reason)
-        if verdict == gating.DRIFTED:
-            _report(patch.id, f"{patch.id} skipped: {reason}")
-            if _strict:
-                raise PatchError(f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)")
         return
+    busy = patch.in_use() if late and patch.in_use else None
+    if busy:
+        reason = f"not applied: {busy}"
+        return _fail(patch, gating.FAILED, reason, f"{patch.id} {reason}")
     txn = Transaction(patch)
     try:
         patch.apply(txn)
     except Exception as e:
         txn.rollback()
         reason = f"{type(e).__name__}: {e}; left out whole, nothing changed"
-        _outcome[patch.id] = (gating.FAILED, reason)
-        _report(patch.id, f"{patch.id} could not apply to {patch.distribution} {version}: {reason}")
-        if _strict:
-            raise PatchError(f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)") from e
-        return
+        return _fail(patch, gating.FAILED, reason,
+                     f"{patch.id} could not apply to {patch.distribution} {version}: {reason}", e)
     _applied[patch.id] = txn
     _outcome[patch.id] = (gating.APPLIED, f"applied in this process to {patch.distribution} {version}")
     _say(f"applied {patch.id} ({patch.distribution} {version})")
 
 
-def revert(ids=None):
-    """Undo applied patches; with no ids, also stop watching imports."""
+def revert(ids=None, force=False):
+    """Undo applied patches; with no ids, also stop watching imports. A patch whose `in_use()` says live
+    objects depend on it is not reverted (RuntimeError) unless `force`."""
     global _active
     with _lock:
         wanted = list(_applied) if ids is None else registry._resolve_tokens(
             registry.split(ids) if isinstance(ids, str) else list(ids), "dspatch.revert()")
+        busy = {pid: _applied[pid].patch.in_use() for pid in wanted
+                 if pid in _applied and _applied[pid].patch.in_use and not force}
+        busy = {pid: why for pid, why in busy.items() if why}
+        if busy:
+            raise RuntimeError("dspatch: not reverted, " + "; ".join(f"{p}: {w}" for p, w in busy.items())
+                               + " (revert(force=True) if they will not be used again)")
         done = []
         for pid in wanted:
             _pending.pop(pid, None)

@@ -31,18 +31,39 @@ def installed_version(distribution):
         return None
 
 
+def _top_level_spec(name):
+    """The spec of a top-level package from the finders on sys.meta_path (editable-install finders
+    included), skipping dspatch's own hook. Finding a top-level spec imports nothing."""
+    from dspatch._boot import PostImportFinder
+
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None or isinstance(finder, PostImportFinder):
+            continue
+        try:
+            spec = find(name, None)
+        except Exception:  # a third-party finder's failure must not make --check fail
+            continue
+        if spec is not None:
+            return spec
+    return importlib.machinery.PathFinder.find_spec(name)
+
+
 def module_file(module_name):
     """Path of a module's source without importing it (or its parents); the loaded file if already imported."""
     loaded = sys.modules.get(module_name)
     if loaded is not None and getattr(loaded, "__file__", None):
         return loaded.__file__
     top, _, rest = module_name.partition(".")
-    spec = importlib.machinery.PathFinder.find_spec(top)  # not via sys.meta_path: no import hooks involved
-    if spec is None or not spec.submodule_search_locations:
-        return spec.origin if spec is not None and not rest else None
+    spec = _top_level_spec(top)
+    if spec is None:
+        return None
+    if not spec.submodule_search_locations:
+        return spec.origin if not rest else None
     for base in spec.submodule_search_locations:
         path = os.path.join(base, *rest.split(".")) if rest else base
-        for candidate in (path + ".py", os.path.join(path, "__init__.py")):
+        # a package directory wins over a module file of the same name, as in the import system
+        for candidate in (os.path.join(path, "__init__.py"), path + ".py"):
             if os.path.isfile(candidate):
                 return candidate
     return None
@@ -70,6 +91,11 @@ def find_definition(tree, qualname):
         else:
             return None
     return node
+
+
+def definition(path, qualname):
+    """The AST node of a definition in a source file (shared, cached: copy before changing it)."""
+    return find_definition(_parse(path)[1], qualname)
 
 
 def source_segment(path, qualname):
@@ -109,6 +135,24 @@ class Row:
                 "links": list(p.links), "diffs": dict(p.diffs)}
 
 
+def _source_mismatch(patch, locate):
+    """None when every target's source is a released one the patch knows; else why not."""
+    for target in patch.targets:
+        path = locate(target.module)
+        if path is None:
+            return f"{target.module} not found in the installed {patch.distribution}"
+        try:
+            found = fingerprint(path, target.qualname)
+        except (OSError, SyntaxError, UnicodeDecodeError) as e:
+            return f"cannot read {path}: {e}"
+        if found is None:
+            return f"{target} is missing from {path}"
+        if found not in target.fingerprints:
+            return (f"{target} differs from every release this patch was written for (fingerprint {found}): "
+                    f"a fork, a dev build or a modified install")
+    return None
+
+
 def evaluate(patch, version=None, locate=module_file):
     """(version, verdict, reason) from the environment alone: selection and in-process state not considered.
 
@@ -124,28 +168,28 @@ def evaluate(patch, version=None, locate=module_file):
         parsed = Version(version)
     except InvalidVersion:
         return version, DRIFTED, f"{patch.distribution} version {version!r} is not a PEP 440 version; left out"
-    if patch.fixed_in and parsed >= Version(patch.fixed_in):
+    # A dev, pre, post or local build (deepspeed built from git reports the *next* release plus +hash)
+    # cannot be judged by its number: its source decides.
+    plain = not (parsed.is_prerelease or parsed.is_postrelease or parsed.local)
+    release = Version(parsed.base_version)
+    fixed = bool(patch.fixed_in) and release >= Version(patch.fixed_in)
+    if plain and fixed:
         return version, FIXED_UPSTREAM, f"fixed upstream in {patch.fixed_in}"
-    if not SpecifierSet(patch.affected).contains(parsed, prereleases=True):
+    if plain and not SpecifierSet(patch.affected).contains(parsed):
         return version, NOT_AFFECTED, f"the bug affects {patch.distribution} {patch.affected} only"
-    if patch.supported and not SpecifierSet(patch.supported).contains(parsed, prereleases=True):
+    if patch.supported and not SpecifierSet(patch.supported).contains(release):
         return version, UNSUPPORTED, (f"{patch.distribution} {version} has the bug, but this patch is written and "
                                       f"tested for {patch.supported} only; left out")
-    for target in patch.targets:
-        path = locate(target.module)
-        if path is None:
-            return version, DRIFTED, f"{target.module} not found in the installed {patch.distribution}; left out"
-        try:
-            found = fingerprint(path, target.qualname)
-        except (OSError, SyntaxError, UnicodeDecodeError) as e:
-            return version, DRIFTED, f"cannot read {path}: {e}; left out"
-        if found is None:
-            return version, DRIFTED, f"{target} is missing from {path}; left out"
-        if found not in target.fingerprints:
-            return version, DRIFTED, (
-                f"{target} differs from every release this patch was written for (fingerprint {found}): "
-                f"a fork, a dev build or a modified install; left out")
-    return version, APPLIES, f"{patch.distribution} {version} has the bug ({patch.affected})"
+    mismatch = _source_mismatch(patch, locate)
+    if mismatch is None:
+        note = "" if plain else ", and its source is that of a released version with the bug"
+        return version, APPLIES, f"{patch.distribution} {version} has the bug ({patch.affected}){note}"
+    if not plain and fixed:
+        return version, FIXED_UPSTREAM, (f"{version} is a build at or past {patch.fixed_in} whose source differs "
+                                         f"from the affected releases: taken as fixed upstream ({mismatch})")
+    if not plain and not SpecifierSet(patch.affected).contains(release):
+        return version, NOT_AFFECTED, f"the bug affects {patch.distribution} {patch.affected} only"
+    return version, DRIFTED, f"{mismatch}; left out"
 
 
 def check_all(ids=None, environ=None):

@@ -3,9 +3,9 @@ import importlib
 import os
 
 from dspatch import patches as _patches_pkg
+from dspatch._boot import OFF_WORDS  # one list, shared with dspatch.pth's start-up check
 
 ON_WORDS = {"1", "all", "true", "yes", "on"}
-OFF_WORDS = {"", "0", "false", "no", "off", "none"}
 
 _cache = None
 

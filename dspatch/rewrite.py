@@ -2,7 +2,9 @@
 renamed across several methods). Gated by the target's fingerprint, so the source it rewrites is exactly
 a released one; nothing from upstream is stored in dspatch.
 """
+import __future__
 import ast
+import copy
 import sys
 
 from dspatch import gating
@@ -38,10 +40,8 @@ def rebuild(target, transform, original):
     line numbers stay those of the installed file (tracebacks point at real lines); and mutable defaults
     (deepspeed's `count=[0]`) are the original's own objects, shared, not reset."""
     module = sys.modules[target.module]
-    first, lines = gating.source_segment(module.__file__, target.qualname)
-    indent = len(lines[0]) - len(lines[0].lstrip())
-    tree = ast.parse("\n".join(line[indent:] for line in lines))
-    definition = tree.body[0]
+    # a copy of the definition's node from the installed file: line numbers, strings and columns as upstream's
+    definition = copy.deepcopy(gating.definition(module.__file__, target.qualname))
     transform(definition)
     *classes, name = target.qualname.split(".")
     body = [definition]
@@ -49,11 +49,12 @@ def rebuild(target, transform, original):
         holder = ast.parse(f"class {cls}:\n    pass").body[0]
         holder.body = body
         body = [holder]
-    tree.body = body
+    tree = ast.Module(body=body, type_ignores=[])
     ast.fix_missing_locations(tree)
-    ast.increment_lineno(tree, first - 1)
+    # the module's own `from __future__` features (annotations!) apply to the copy as to the original
+    flags = sum(f.compiler_flag for f in vars(module).values() if isinstance(f, __future__._Feature))
     namespace = {}
-    exec(compile(tree, module.__file__, "exec"), vars(module), namespace)
+    exec(compile(tree, module.__file__, "exec", flags=flags, dont_inherit=True), vars(module), namespace)
     rebuilt = namespace[classes[0] if classes else name]
     for cls in classes[1:]:
         rebuilt = vars(rebuilt)[cls]

@@ -26,10 +26,12 @@ class Patch:
     - `scenarios`: {name: callable} real-upstream reproducers. Each returns None when behaviour is correct
       and raises `BugSeen` when the bug shows (see dspatch.verify).
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
+    - `in_use()`: optional; a reason why applying now (after its targets were imported and used) or reverting
+      would break live objects, or None. Checked before a late apply and before a revert.
     """
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
-                 diffs=None, scenarios=None, expected_on_stock=()):
+                 diffs=None, scenarios=None, expected_on_stock=(), in_use=None):
         self.id = id
         self.summary = summary
         self.distribution = distribution
@@ -43,6 +45,7 @@ class Patch:
         self.scenarios = dict(scenarios or {})
         # scenarios that must show the bug on stock upstream (the proof that the patch is needed)
         self.expected_on_stock = tuple(expected_on_stock)
+        self.in_use = in_use
 
     @property
     def modules(self):

@@ -169,15 +169,19 @@ report = {"first": first["deepspeed/zero3-module-id"][0], "second": second["deep
           "is_wrapper": isinstance(wrapped, wrapt.FunctionWrapper),
           "defaults_shared": wrapped.__wrapped__.__defaults__[0] is originals["_register_hooks_recursively"].__defaults__[0],
           "patched": outcome()}
-report["reverted"] = dspatch.revert()
+try:
+    dspatch.revert(); report["plain_revert"] = "reverted"
+except RuntimeError as e:  # an engine built under the patch still exists
+    report["plain_revert"] = "refused" if "ZeRO-3 engine" in str(e) else str(e)
+report["reverted"] = dspatch.revert(force=True)
 report["restored"] = all(vars(O)[n] is f for n, f in originals.items())
 report["after_revert"] = outcome()
 print(json.dumps(report))
 '''
     report = __import__("json").loads(run_python(["-c", code]).stdout.strip().splitlines()[-1])
     assert report == {"first": "applied", "second": "applied", "same_wrapper": True, "is_wrapper": True,
-                      "defaults_shared": True, "patched": "ok", "reverted": [PID], "restored": True,
-                      "after_revert": "bug"}
+                      "defaults_shared": True, "patched": "ok", "plain_revert": "refused", "reverted": [PID],
+                      "restored": True, "after_revert": "bug"}
 
 
 def test_rebuilt_functions_keep_upstream_identity():
@@ -239,7 +243,7 @@ def flaky(target, transform, original):  # dspatch's own step fails on the 5th o
 rewrite.rebuild = flaky
 result = dspatch.apply(["deepspeed/zero3-module-id"])
 wrapped = [n for c in (O, C) for n, v in vars(c).items() if isinstance(v, wrapt.FunctionWrapper)]
-calls.clear(); dspatch.revert()
+calls.clear(); dspatch.revert(force=True)
 try:
     dspatch.apply(["deepspeed/zero3-module-id"], strict=True); strict = "no error"
 except Exception as e:
@@ -266,6 +270,22 @@ def test_check_verify_shows_bug_and_fix_on_this_machine():
         assert "verify" not in row and row["verdict"] == gating.FIXED_UPSTREAM
 
 
+def test_late_apply_after_an_engine_exists_is_refused_whole():
+    """Applying after deepspeed.initialize would make that engine read `.ds_id` it never got: refused."""
+    if not affected():
+        pytest.skip("nothing to apply on a fixed release")
+    code = ("import dspatch, wrapt\n"
+            "from dspatch.patches.deepspeed import zero3_module_id as p\n"
+            "from dspatch.spec import BugSeen\n"
+            "try:\n    p.user_id_survives()\nexcept BugSeen:\n    pass\n"
+            "verdict = dspatch.apply(['deepspeed/zero3-module-id'])['deepspeed/zero3-module-id']\n"
+            "from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O\n"
+            "print(verdict[0], any(isinstance(v, wrapt.FunctionWrapper) for v in vars(O).values()))")
+    proc = run_python(["-c", code])
+    assert proc.stdout.strip().splitlines()[-1] == "failed False"
+    assert "ZeRO-3 engine(s) exist in this process" in proc.stderr
+
+
 def test_reloading_a_patched_module_patches_it_again():
     if not affected():
         pytest.skip("nothing to apply on a fixed release")
@@ -279,3 +299,39 @@ def test_reloading_a_patched_module_patches_it_again():
             "again is not first and not isinstance(again.__wrapped__, wrapt.FunctionWrapper), r.applied_ids())")
     out = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1]
     assert out == f"True True ['{PID}']"  # re-applied whole, never a wrapper around a wrapper
+
+
+COPY_AND_REINIT = r'''
+import copy, json, sys
+if sys.argv[1] == "monkeypatch":
+    import dspatch; dspatch.apply(["deepspeed/zero3-module-id"], strict=True)
+from dspatch.scenario import init_deepspeed, zero3_config
+from dspatch.patches.deepspeed.zero3_module_id import _moe_model, _train
+ds = init_deepspeed()
+model = _moe_model()
+engine, *_ = ds.initialize(model=model, config=zero3_config(), model_parameters=model.parameters())
+_train(engine, 1)
+try:
+    twin = copy.deepcopy(model)  # carries DeepSpeed's own ds_id values
+except TypeError:  # deepspeed 0.14.x cannot deepcopy a ZeRO-3 model (ZeROOrderedDict): re-register the same one
+    twin = model
+twin.experts[3].ds_id = 7  # ...and one the user changed afterwards
+try:
+    ds.initialize(model=twin, config=zero3_config(), model_parameters=twin.parameters())
+    print("accepted")
+except ValueError as e:
+    print("refused " + str(e).split(" that ")[0])
+'''
+
+
+@pytest.mark.parametrize("form", ["monkeypatch", "diff"])
+def test_deepspeeds_own_ds_id_survives_a_copy_and_a_changed_one_is_refused(form, deepspeed_copy):
+    if not affected():
+        pytest.skip("upstream owns ds_id on fixed releases")
+    env = clean_env()
+    if form == "diff":
+        site, _ = deepspeed_copy
+        _apply_diff(site, deepspeed_version())
+        env = clean_env(PYTHONPATH=site)
+    out = run_python(["-c", COPY_AND_REINIT, form], env=env).stdout.strip().splitlines()[-1]
+    assert out == "refused Expert already has an attribute ds_id=7", out

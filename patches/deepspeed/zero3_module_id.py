@@ -7,7 +7,7 @@ bookkeeping. Upstream PR 6847 renamed the attribute to `ds_id` in 0.16.4. This p
 in every function that writes or reads it, on the installed source; and (c) it refuses to overwrite a
 `ds_id` that DeepSpeed did not set, instead of clobbering it silently.
 """
-import weakref
+import sys
 
 from dspatch.spec import BugSeen, Patch, Target
 
@@ -37,17 +37,18 @@ FINGERPRINTS = {
         "830c11c724ff0ba7": "0.14.0-0.16.2", "b1713fcbe5f8dc43": "0.16.3"},
 }
 
-# Modules whose ds_id DeepSpeed assigned (re-registration, e.g. unwrap_model_for_generation, is fine).
-_owned_ds_ids = weakref.WeakSet()
-
-
 def refuse_foreign_ds_id(module):
-    if hasattr(module, "ds_id") and module not in _owned_ds_ids:
-        raise ValueError(
-            f"{type(module).__name__} already has an attribute ds_id={getattr(module, 'ds_id')!r} that DeepSpeed "
-            f"did not set. ZeRO-3 numbers modules with `ds_id` (upstream since deepspeed 0.16.4; dspatch "
-            f"deepspeed/zero3-module-id backports it) and would overwrite yours: rename that attribute.")
-    _owned_ds_ids.add(module)
+    """(c) A `ds_id` that DeepSpeed did not assign belongs to the user: refuse rather than overwrite it.
+
+    DeepSpeed's own assignment is remembered on the module (`_ds_id_assigned`), so re-registration
+    (unwrap_model_for_generation, a deepcopy or a pickle of a ZeRO-3 model) is recognised as DeepSpeed's."""
+    if hasattr(module, "ds_id"):
+        own, assigned = module.ds_id, getattr(module, "_ds_id_assigned", None)
+        if not (type(own) is int and own == assigned):
+            raise ValueError(
+                f"{type(module).__name__} already has an attribute ds_id={own!r} that DeepSpeed did not set. "
+                f"ZeRO-3 numbers modules with `ds_id` (upstream since deepspeed 0.16.4; dspatch "
+                f"deepspeed/zero3-module-id backports it) and would overwrite yours: rename that attribute.")
 
 
 def apply(txn):
@@ -59,12 +60,34 @@ def apply(txn):
         fixed = rebuild(target, to_ds_id, original)
         if target.qualname == REGISTER:
             def wrapper(wrapped, instance, args, kwargs, fixed=fixed):
-                refuse_foreign_ds_id(args[0] if args else kwargs["module"])
-                return fixed(instance, *args, **kwargs)
+                module = args[0] if args else kwargs["module"]
+                refuse_foreign_ds_id(module)
+                try:
+                    return fixed(instance, *args, **kwargs)
+                finally:  # even if a child refuses: this module's ds_id is DeepSpeed's now
+                    if hasattr(module, "ds_id"):
+                        module._ds_id_assigned = module.ds_id
         else:
             def wrapper(wrapped, instance, args, kwargs, fixed=fixed):
                 return fixed(instance, *args, **kwargs)
         txn.wrap(target, wrapper)
+
+
+def zero3_engines_alive():
+    """Engines built before the patch number their modules with `.id`, after it with `.ds_id`: switching
+    while one may still be used would break it, so a late dspatch.apply() or a revert is refused. DeepSpeed
+    keeps every engine reachable (utils/debug.py's module-name dicts), so any engine ever built counts."""
+    import gc
+
+    offload = sys.modules.get(OFFLOAD)
+    if offload is None:
+        return None
+    gc.collect()
+    alive = sum(isinstance(o, offload.DeepSpeedZeRoOffload) for o in gc.get_objects())
+    if alive:
+        return (f"{alive} ZeRO-3 engine(s) exist in this process, numbered the other way; apply dspatch before "
+                f"the first deepspeed.initialize (DSPATCH=1, or dspatch.apply() first)")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -190,4 +213,5 @@ PATCH = Patch(
     scenarios={"user_id_survives": user_id_survives, "placement_during_training": placement_during_training,
                "own_ds_id_kept": own_ds_id_kept},
     expected_on_stock=("user_id_survives", "placement_during_training"),
+    in_use=zero3_engines_alive,
 )
