@@ -15,7 +15,21 @@ def _loaded(env):
 
 def test_unset_reads_the_environment_and_nothing_else():
     assert _loaded(clean_env()) == []
-    assert _loaded(clean_env(DSPATCH="0")) == []
+    for word in ("0", "off", "False", " no ", "none"):
+        assert _loaded(clean_env(DSPATCH=word)) == [], word
+
+
+def test_the_pth_and_the_registry_agree_on_off_words():
+    import ast
+    import os
+    import re
+    import sysconfig
+
+    from dspatch import registry
+
+    line = open(os.path.join(sysconfig.get_paths()["purelib"], "dspatch.pth")).read()  # the installed one
+    words = ast.literal_eval(re.search(r"not in (\(.*?\))", line).group(1))
+    assert set(words) == set(registry.OFF_WORDS)
 
 
 def test_set_installs_only_the_tiny_hook():
@@ -30,8 +44,12 @@ def test_first_target_import_loads_and_applies():
     assert "dspatch._runtime" in loaded and "deepspeed" in loaded
     from packaging.version import Version
 
+    code = "import deepspeed, dspatch._runtime as r; print(r.state_of('deepspeed/zero3-module-id'))"
+    state = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1]
     if Version(deepspeed_version()) <= Version("0.16.3"):
-        assert "wrapt" in loaded  # a patch was applied
+        assert "wrapt" in loaded and state.startswith("('applied'"), state
+    else:
+        assert "wrapt" not in loaded and state.startswith("('fixed upstream'"), state
     proc = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="1"))
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
     assert len(said) <= 1, said  # quiet: one line at most

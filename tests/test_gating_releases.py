@@ -59,6 +59,20 @@ def test_versions_outside_the_written_range():
     assert verdict("not-a-version") == gating.DRIFTED
 
 
+@pytest.mark.parametrize("version, files, expected", [
+    ("0.16.3+cu121", "0.16.3", gating.APPLIES),     # a local build of a release: its source decides
+    ("0.16.4+g1234", "0.16.3", gating.APPLIES),     # git build after 0.16.3 (version.txt bumped), before the fix
+    ("0.16.4+g5678", "0.16.4", gating.FIXED_UPSTREAM),  # git build with the fix
+    ("0.16.4.dev0", "0.16.4", gating.FIXED_UPSTREAM),
+    ("0.16.3.post1", "0.16.3", gating.APPLIES),
+    ("0.16.3.post1", "0.16.4", gating.DRIFTED),    # says 0.16.3, has other code: left out
+])
+def test_builds_that_are_not_plain_releases_are_judged_by_their_source(version, files, expected, tmp_path):
+    locate = extract_modules("deepspeed", files, PATCH.modules, str(tmp_path))
+    _, verdict, reason = gating.evaluate(PATCH, version=version, locate=locate)
+    assert verdict == expected, reason
+
+
 def test_diff_bands_cover_exactly_the_affected_releases():
     affected = [v for v in RELEASES if Version(v) <= Version("0.16.3")]
     for version in affected:

@@ -16,10 +16,29 @@ SIMPLE = "https://pypi.org/simple/{}/"
 CACHE = os.environ.get("DSPATCH_RELEASE_CACHE", os.path.expanduser("~/.cache/dspatch/releases"))
 
 
+_indexes = {}
+
+
 def _index(project):
-    request = urllib.request.Request(SIMPLE.format(project), headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)
+    """PyPI's file list for a project: fetched once per run, kept in the cache for runs without a network."""
+    if project not in _indexes:
+        cached = os.path.join(CACHE, f"{project}-index.json")
+        request = urllib.request.Request(SIMPLE.format(project),
+                                         headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                data = json.load(response)
+            os.makedirs(CACHE, exist_ok=True)
+            with open(cached + ".part", "w") as f:
+                json.dump(data, f)
+            os.replace(cached + ".part", cached)
+        except OSError:
+            if not os.path.exists(cached):
+                raise
+            with open(cached) as f:
+                data = json.load(f)
+        _indexes[project] = data
+    return _indexes[project]
 
 
 def sdist_versions(project, low, high):
