@@ -59,3 +59,11 @@ def test_export_writes_the_diffs(tmp_path):
     written = sorted(p.name for p in (tmp_path / "deepspeed").iterdir())
     assert written and all(name.startswith("0001-zero3-module-id") for name in written)
     assert "Applied-Upstream: 0.16.4" in (tmp_path / "deepspeed" / written[-1]).read_text()
+
+
+def test_run_a_script_with_dspatch_active(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import sys, dspatch._boot as boot, dspatch._runtime as runtime\n"
+                      "print(runtime._active, boot.finder() is not None, sys.argv[1:])\n")
+    out = run_python(["-m", "dspatch.apply", str(script), "--lr", "3"]).stdout.strip().splitlines()[-1]
+    assert out == "True True ['--lr', '3']"
