@@ -7,7 +7,6 @@ runtime at activation.
 """
 import os
 import sys
-import threading
 
 WATCHED = ("deepspeed", "accelerate", "transformers", "trl")
 OFF_WORDS = ("", "0", "false", "no", "off", "none")  # dspatch.pth and dspatch.registry use the same words
@@ -48,12 +47,14 @@ class PostImportFinder:
     def __init__(self, on_loaded, watched=WATCHED):
         self.on_loaded = on_loaded
         self.watched = tuple(watched)
-        self._local = threading.local()  # names this thread is resolving through the other finders
+        # Names being resolved through the other finders. A plain set is enough: importlib holds its global
+        # import lock around every meta-path find_spec (and `threading` would cost ~5 ms at start-up).
+        self._resolving = set()
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.partition(".")[0] not in self.watched:
             return None
-        resolving = self._local.__dict__.setdefault("names", set())
+        resolving = self._resolving
         if fullname in resolving:
             return None
         resolving.add(fullname)

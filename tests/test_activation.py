@@ -89,3 +89,11 @@ def test_an_internal_dspatch_error_never_breaks_the_import():
     assert len(said) == 1 and "internal error" in said[0] and "simulated dspatch bug" in said[0]
     strict = run_python(["-c", code], env=clean_env(DSPATCH="1", DSPATCH_STRICT="1"), check=False)
     assert strict.returncode != 0 and "simulated dspatch bug" in strict.stderr
+
+
+def test_dspatch_1_at_start_up_imports_nothing_beyond_the_hook():
+    """What DSPATCH=1 may load at start-up: dspatch and its hook, nothing they drag in (threading: ~5 ms)."""
+    code = "import sys, json; print(json.dumps(sorted(sys.modules)))"
+    before = set(json.loads(run_python(["-c", code], env=clean_env()).stdout))
+    after = set(json.loads(run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout))
+    assert after - before == {"dspatch", "dspatch._boot"}, after - before

@@ -127,8 +127,8 @@ def test_drifted_source_keeps_the_patch_out_and_the_job_running(deepspeed_copy):
     assert outcome["applied"] == [] and outcome["results"]["user_id_survives"].startswith("bug:")
     # nothing half-applied: every target is upstream's own function
     code = ("import deepspeed.runtime.zero.parameter_offload as po, deepspeed.runtime.zero.partitioned_param_coordinator as pc\n"
-            "import wrapt; print(any(isinstance(v, wrapt.FunctionWrapper) for c in (po.DeepSpeedZeRoOffload, "
-            "pc.PartitionedParameterCoordinator) for v in vars(c).values()))")
+            "import wrapt; print(any(isinstance(v, wrapt.FunctionWrapper) or hasattr(v, '__dspatch__') "
+            "for c in (po.DeepSpeedZeRoOffload, pc.PartitionedParameterCoordinator) for v in vars(c).values()))")
     assert run_python(["-c", code], env=clean_env(PYTHONPATH=site, DSPATCH="1")).stdout.strip().endswith("False")
     # --check agrees, and --strict turns drift into a non-zero exit
     check = run_python(["-m", "dspatch.apply", "--check", "--strict"], env=clean_env(PYTHONPATH=site), check=False)
@@ -201,13 +201,17 @@ def names(code):  # attributes read or written, in comprehensions and nested fun
         if hasattr(const, "co_code"):
             found |= names(const)
     return found
+import wrapt, dspatch._runtime as runtime
 rows = []
-for t in PATCH.targets:
-    owner = getattr(sys.modules[t.module], t.qualname.split(".")[0])
-    w = vars(owner)[t.qualname.split(".")[1]]
-    name = t.qualname.split(".")[1]
-    new = [f for f in _functions_in(w._self_wrapper.__defaults__[0]) if f.__code__.co_name == name][0]
-    old = [f for f in _functions_in(w.__wrapped__) if f.__code__.co_name == name][0]
+for qualname, (original, installed) in runtime._applied["deepspeed/zero3-module-id"].originals().items():
+    name = qualname.split(".")[1]
+    if isinstance(installed, wrapt.FunctionWrapper):  # the guard around the rebuilt function
+        installed = installed._self_wrapper.__defaults__[0]
+    else:
+        assert installed.__dspatch__ == "deepspeed/zero3-module-id"
+    new = [f for f in _functions_in(installed) if f.__code__.co_name == name][0]
+    old = [f for f in _functions_in(original) if f.__code__.co_name == name][0]
+    t = PATCH.targets[[x.qualname for x in PATCH.targets].index(qualname)]
     rows.append([t.qualname, new.__qualname__ == old.__qualname__, new.__code__.co_firstlineno == old.__code__.co_firstlineno,
                  new.__code__.co_filename == old.__code__.co_filename, new.__module__ == old.__module__,
                  "ds_id" in names(new.__code__) and "id" not in names(new.__code__) and "id" in names(old.__code__)])
@@ -242,7 +246,8 @@ def flaky(target, transform, original):  # dspatch's own step fails on the 5th o
     return real(target, transform, original)
 rewrite.rebuild = flaky
 result = dspatch.apply(["deepspeed/zero3-module-id"])
-wrapped = [n for c in (O, C) for n, v in vars(c).items() if isinstance(v, wrapt.FunctionWrapper)]
+wrapped = [n for c in (O, C) for n, v in vars(c).items()
+           if isinstance(v, wrapt.FunctionWrapper) or hasattr(v, "__dspatch__")]
 calls.clear(); dspatch.revert(force=True)
 try:
     dspatch.apply(["deepspeed/zero3-module-id"], strict=True); strict = "no error"
@@ -280,7 +285,8 @@ def test_late_apply_after_an_engine_exists_is_refused_whole():
             "try:\n    p.user_id_survives()\nexcept BugSeen:\n    pass\n"
             "verdict = dspatch.apply(['deepspeed/zero3-module-id'])['deepspeed/zero3-module-id']\n"
             "from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O\n"
-            "print(verdict[0], any(isinstance(v, wrapt.FunctionWrapper) for v in vars(O).values()))")
+            "print(verdict[0], any(isinstance(v, wrapt.FunctionWrapper) or hasattr(v, '__dspatch__') "
+            "for v in vars(O).values()))")
     proc = run_python(["-c", code])
     assert proc.stdout.strip().splitlines()[-1] == "failed False"
     assert "ZeRO-3 engine(s) exist in this process" in proc.stderr
@@ -295,7 +301,8 @@ def test_reloading_a_patched_module_patches_it_again():
             "first = vars(O)['_register_hooks_recursively']\n"
             "importlib.reload(pc)\n"
             "again = vars(O)['_register_hooks_recursively']\n"
-            "print(isinstance(vars(pc.PartitionedParameterCoordinator)['reset_step'], wrapt.FunctionWrapper), "
+            "print(getattr(vars(pc.PartitionedParameterCoordinator)['reset_step'], '__dspatch__', None) == "
+            "'deepspeed/zero3-module-id', "
             "again is not first and not isinstance(again.__wrapped__, wrapt.FunctionWrapper), r.applied_ids())")
     out = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1]
     assert out == f"True True ['{PID}']"  # re-applied whole, never a wrapper around a wrapper

@@ -58,19 +58,20 @@ def apply(txn):
     for target in txn.patch.targets:
         owner, name, original = txn.resolve(target)
         fixed = rebuild(target, to_ds_id, original)
-        if target.qualname == REGISTER:
-            def wrapper(wrapped, instance, args, kwargs, fixed=fixed):
-                module = args[0] if args else kwargs["module"]
-                refuse_foreign_ds_id(module)
-                try:
-                    return fixed(instance, *args, **kwargs)
-                finally:  # even if a child refuses: this module's ds_id is DeepSpeed's now
-                    if hasattr(module, "ds_id"):
-                        module._ds_id_assigned = module.ds_id
-        else:
-            def wrapper(wrapped, instance, args, kwargs, fixed=fixed):
+        if target.qualname != REGISTER:
+            txn.replace(target, fixed)  # per-step hot path: the rebuilt function itself, no wrapper
+            continue
+
+        def register(wrapped, instance, args, kwargs, fixed=fixed):  # once per module, at initialize
+            module = args[0] if args else kwargs["module"]
+            refuse_foreign_ds_id(module)
+            try:
                 return fixed(instance, *args, **kwargs)
-        txn.wrap(target, wrapper)
+            finally:  # even if a child refuses: this module's ds_id is DeepSpeed's now
+                if hasattr(module, "ds_id"):
+                    module._ds_id_assigned = module.ds_id
+
+        txn.wrap(target, register)
 
 
 def zero3_engines_alive():
