@@ -27,6 +27,10 @@ class NotifyingLoader:
         self.on_loaded = on_loaded
 
     def __getattr__(self, name):
+        # only for attributes the real loader has (get_source, get_resource_reader, ...); never for our own
+        # two or for dunders, which copy and pickle look up on an instance that has no `loader` yet
+        if name in ("loader", "on_loaded") or name.startswith("__"):
+            raise AttributeError(name)
         return getattr(self.loader, name)
 
     def create_module(self, spec):
@@ -78,13 +82,15 @@ _failed = []
 
 
 def _notify(name):
-    # The user's import must survive any failure of dspatch itself; DSPATCH_STRICT=1 wants it to surface.
+    # The user's import must survive any failure of dspatch itself; strict mode (DSPATCH_STRICT=1 or
+    # dspatch.apply(strict=True)) wants it to surface.
+    runtime = None
     try:
-        from dspatch import _runtime
+        from dspatch import _runtime as runtime
 
-        _runtime.module_loaded(name)
+        runtime.module_loaded(name)
     except Exception as e:
-        if strict():
+        if strict() or getattr(runtime, "_strict", False):
             raise
         if not _failed:
             _failed.append(e)
@@ -111,9 +117,9 @@ def install():
 
             _runtime.activate(None, None)
         except Exception as e:
-            print(f"dspatch: {type(e).__name__}: {e}", file=sys.stderr)
-            if strict():
-                raise SystemExit(2)
+            print(f"dspatch: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if strict():  # `site` would only print and go on: end the process as a failed import would
+                os._exit(2)
 
 
 def uninstall():

@@ -14,8 +14,8 @@ _active = False
 _strict = False
 _pending = {}    # id -> Patch selected, waiting for its target modules to finish importing
 _applied = {}    # id -> Transaction
+_superseded = {}  # id -> [Transaction]: still in force on class objects a reload replaced (others hold them)
 _outcome = {}    # id -> (verdict, reason) decided in this process
-_finished = set()  # watched modules that finished executing since the hook was installed
 _reported = set()
 _strict_failures = {}  # id -> message: under DSPATCH_STRICT=1 every later import of its modules fails too
 
@@ -44,8 +44,10 @@ def applied_ids():
     return list(_applied)
 
 
-def _module_ready(name):
-    if name in _finished:
+def _module_ready(name, just_loaded=None):
+    # The module the hook just reported has executed but is still flagged as initialising until the
+    # import system finishes with it; any other module counts once it is fully imported (now, not ever).
+    if name == just_loaded:
         return True
     module = sys.modules.get(name)
     return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
@@ -54,9 +56,8 @@ def _module_ready(name):
 def module_loaded(name):
     """Called by the import hook after a module of a watched package has executed."""
     with _lock:
-        _finished.add(name)
         if not _active:
-            activate(None, None)
+            activate(None, None, just_loaded=name)
         else:
             _requeue_if_reloaded(name)
             _apply_ready(name)
@@ -81,7 +82,7 @@ def forward_to_nodes():
         exports.append("DSPATCH")
 
 
-def activate(ids, strict):
+def activate(ids, strict, just_loaded=None):
     """Select patches (code or environment), hook future imports, and apply what is importable now."""
     global _active, _strict
     with _lock:
@@ -103,30 +104,33 @@ def activate(ids, strict):
             if pid not in _applied:
                 _outcome.pop(pid, None)
                 _pending[pid] = patches[pid]
-        _apply_ready(None, late=True)
-        if _module_ready(LAUNCHER):
+        _apply_ready(None, late=just_loaded is None, just_loaded=just_loaded)
+        if _module_ready(LAUNCHER, just_loaded):
             forward_to_nodes()
         return {pid: _outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
                 for pid in chosen}
 
 
 def _requeue_if_reloaded(name):
-    # importlib.reload() re-executes a module: its classes are new, unpatched objects. Apply again.
+    # A reload (or a fresh import after sys.modules was purged) re-executes a module: its classes are new,
+    # unpatched objects, while other modules still hold the old ones. Keep the old ones patched (so
+    # nothing mixes the two numberings) and patch the new ones too.
     for pid, txn in list(_applied.items()):
         if name in txn.patch.modules and not txn.intact():
-            txn.rollback()  # where its wrappers still sit (the modules not reloaded)
+            _superseded.setdefault(pid, []).append(txn)
             del _applied[pid]
             _outcome.pop(pid, None)
             _pending[pid] = txn.patch
 
 
-def _apply_ready(trigger, late=False):
+def _apply_ready(trigger, late=False, just_loaded=None):
     """Apply pending patches whose modules have all finished importing. `late`: they finished before
     activation, so upstream objects may already be in use."""
+    just_loaded = just_loaded or trigger
     for pid, patch in list(_pending.items()):
         if trigger is not None and trigger not in patch.modules:
             continue
-        if all(_module_ready(m) for m in patch.modules):
+        if all(_module_ready(m, just_loaded) for m in patch.modules):
             del _pending[pid]
             _apply_one(patch, late)
 
@@ -159,6 +163,7 @@ def _apply_one(patch, late=False):
         return _fail(patch, gating.FAILED, reason,
                      f"{patch.id} could not apply to {patch.distribution} {version}: {reason}", e)
     _applied[patch.id] = txn
+    _strict_failures.pop(patch.id, None)
     _outcome[patch.id] = (gating.APPLIED, f"applied in this process to {patch.distribution} {version}")
     _say(f"applied {patch.id} ({patch.distribution} {version})")
 
@@ -179,10 +184,13 @@ def revert(ids=None, force=False):
         done = []
         for pid in wanted:
             _pending.pop(pid, None)
+            _strict_failures.pop(pid, None)
             txn = _applied.pop(pid, None)
             if txn is not None:
                 txn.rollback()
                 done.append(pid)
+            for old in reversed(_superseded.pop(pid, [])):
+                old.rollback()
             _outcome.pop(pid, None)
         if ids is None:
             from dspatch import _boot
@@ -207,12 +215,18 @@ class Transaction:
         raise KeyError(qualname)
 
     def resolve(self, target):
-        """(owner, attribute name, raw original) of a target in its imported module."""
+        """(owner, attribute name, raw original) of a target in its imported module; where an earlier
+        transaction of this patch still sits (after a reload elsewhere), upstream's original behind it."""
         owner = sys.modules[target.module]
         *path, name = target.qualname.split(".")
         for part in path:
             owner = getattr(owner, part)
-        return owner, name, vars(owner)[name]
+        raw = vars(owner)[name]
+        for old in _superseded.get(self.patch.id, ()):
+            for _, old_owner, old_name, original, installed in old._undo:
+                if installed is raw:
+                    return owner, name, original
+        return owner, name, raw
 
     def wrap(self, target, wrapper):
         """Install wrapt.FunctionWrapper(original, wrapper) on the target; returns the original."""

@@ -89,7 +89,12 @@ def check(args):
 
 
 def run_script(args):
-    dspatch.apply(args.only, strict=None)
+    # Through the environment, so that every process the script starts (spawn workers, launchers) is
+    # patched the same way, as with DSPATCH=... on the command line.
+    os.environ["DSPATCH"] = ",".join(args.only) if args.only else os.environ.get("DSPATCH", "").strip() or "1"
+    if os.environ["DSPATCH"].lower() in registry.OFF_WORDS:
+        os.environ["DSPATCH"] = "1"
+    dspatch.apply(None, strict=None)
     sys.argv = [args.script, *args.script_args]
     import runpy
 

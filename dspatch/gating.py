@@ -82,14 +82,14 @@ def _parse(path):
 
 
 def find_definition(tree, qualname):
+    """The definition `qualname` names: the last one of that name in its scope, as Python binds it."""
     node = tree
     for part in qualname.split("."):
-        for child in getattr(node, "body", ()):
-            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and child.name == part:
-                node = child
-                break
-        else:
+        found = [child for child in getattr(node, "body", ())
+                 if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and child.name == part]
+        if not found:
             return None
+        node = found[-1]
     return node
 
 
@@ -169,7 +169,7 @@ def evaluate(patch, version=None, locate=module_file):
     except InvalidVersion:
         return version, DRIFTED, f"{patch.distribution} version {version!r} is not a PEP 440 version; left out"
     # A dev, pre, post or local build (deepspeed built from git reports the *next* release plus +hash)
-    # cannot be judged by its number: its source decides.
+    # cannot be judged by its number: its source decides (a known affected release's, or upstream's fix).
     plain = not (parsed.is_prerelease or parsed.is_postrelease or parsed.local)
     release = Version(parsed.base_version)
     fixed = bool(patch.fixed_in) and release >= Version(patch.fixed_in)
@@ -184,12 +184,23 @@ def evaluate(patch, version=None, locate=module_file):
     if mismatch is None:
         note = "" if plain else ", and its source is that of a released version with the bug"
         return version, APPLIES, f"{patch.distribution} {version} has the bug ({patch.affected}){note}"
-    if not plain and fixed:
-        return version, FIXED_UPSTREAM, (f"{version} is a build at or past {patch.fixed_in} whose source differs "
-                                         f"from the affected releases: taken as fixed upstream ({mismatch})")
-    if not plain and not SpecifierSet(patch.affected).contains(release):
+    if not plain and _has_fix(patch, locate):
+        module, qualname = patch.fixed_marker
+        return version, FIXED_UPSTREAM, f"{version} is a build that contains upstream's fix ({module}:{qualname})"
+    if not plain and not fixed and not SpecifierSet(patch.affected).contains(release):
         return version, NOT_AFFECTED, f"the bug affects {patch.distribution} {patch.affected} only"
     return version, DRIFTED, f"{mismatch}; left out"
+
+
+def _has_fix(patch, locate):
+    if not patch.fixed_marker:
+        return False
+    module, qualname = patch.fixed_marker
+    path = locate(module)
+    try:
+        return path is not None and source_segment(path, qualname) is not None
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        return False
 
 
 def check_all(ids=None, environ=None):

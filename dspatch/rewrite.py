@@ -42,8 +42,10 @@ def rebuild(target, transform, original):
     module = sys.modules[target.module]
     # a copy of the definition's node from the installed file: line numbers, strings and columns as upstream's
     definition = copy.deepcopy(gating.definition(module.__file__, target.qualname))
-    transform(definition)
     *classes, name = target.qualname.split(".")
+    flags = sum(f.compiler_flag for f in vars(module).values() if isinstance(f, __future__._Feature))
+    _refuse_class_scope_names(module.__file__, classes, definition, flags)
+    transform(definition)
     body = [definition]
     for cls in reversed(classes):
         holder = ast.parse(f"class {cls}:\n    pass").body[0]
@@ -52,7 +54,6 @@ def rebuild(target, transform, original):
     tree = ast.Module(body=body, type_ignores=[])
     ast.fix_missing_locations(tree)
     # the module's own `from __future__` features (annotations!) apply to the copy as to the original
-    flags = sum(f.compiler_flag for f in vars(module).values() if isinstance(f, __future__._Feature))
     namespace = {}
     exec(compile(tree, module.__file__, "exec", flags=flags, dont_inherit=True), vars(module), namespace)
     rebuilt = namespace[classes[0] if classes else name]
@@ -71,6 +72,33 @@ def rebuild(target, transform, original):
         cell = fresh.__closure__[fresh.__code__.co_freevars.index("__class__")]
         cell.cell_contents = owner
     return rebuilt
+
+
+def _refuse_class_scope_names(path, classes, definition, flags):
+    """Decorators, defaults and (evaluated) annotations run in the class body upstream, but in module scope
+    in the copy: refuse a definition whose expressions name something the class body binds."""
+    if not classes:
+        return
+    owner = gating.definition(path, ".".join(classes))
+    bound = set()
+    for node in owner.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                bound |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    args = definition.args
+    evaluated = [*definition.decorator_list, *args.defaults, *[d for d in args.kw_defaults if d is not None]]
+    if not flags & __future__.annotations.compiler_flag:
+        evaluated += [a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
+                                             args.kwarg) if a is not None and a.annotation is not None]
+        evaluated += [definition.returns] if definition.returns is not None else []
+    used = {n.id for expr in evaluated for n in ast.walk(expr) if isinstance(n, ast.Name)} & bound
+    if used:
+        raise RewriteError(f"{'.'.join(classes)}.{definition.name}: its decorators/defaults use class-body "
+                           f"names {sorted(used)}, which a rebuilt copy cannot see")
 
 
 def _the_function(obj, name, filename, target):

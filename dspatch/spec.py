@@ -26,12 +26,14 @@ class Patch:
     - `scenarios`: {name: callable} real-upstream reproducers. Each returns None when behaviour is correct
       and raises `BugSeen` when the bug shows (see dspatch.verify).
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
+    - `fixed_marker`: optional (module, qualname) of a definition that exists only once upstream's fix is in;
+      how a build that is not a plain release (git, dev, local) is recognised as fixed.
     - `in_use()`: optional; a reason why applying now (after its targets were imported and used) or reverting
       would break live objects, or None. Checked before a late apply and before a revert.
     """
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
-                 diffs=None, scenarios=None, expected_on_stock=(), in_use=None):
+                 diffs=None, scenarios=None, expected_on_stock=(), in_use=None, fixed_marker=None):
         self.id = id
         self.summary = summary
         self.distribution = distribution
@@ -46,6 +48,7 @@ class Patch:
         # scenarios that must show the bug on stock upstream (the proof that the patch is needed)
         self.expected_on_stock = tuple(expected_on_stock)
         self.in_use = in_use
+        self.fixed_marker = fixed_marker
 
     @property
     def modules(self):

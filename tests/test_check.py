@@ -63,7 +63,11 @@ def test_export_writes_the_diffs(tmp_path):
 
 def test_run_a_script_with_dspatch_active(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("import sys, dspatch._boot as boot, dspatch._runtime as runtime\n"
-                      "print(runtime._active, boot.finder() is not None, sys.argv[1:])\n")
+    script.write_text("import os, subprocess, sys, dspatch._boot as boot, dspatch._runtime as runtime\n"
+                      "child = subprocess.run([sys.executable, '-c', 'import sys; print(\"dspatch._boot\" in sys.modules)'],"
+                      " capture_output=True, text=True).stdout.strip()\n"
+                      "print(runtime._active, boot.finder() is not None, child, os.environ['DSPATCH'], sys.argv[1:])\n")
     out = run_python(["-m", "dspatch.apply", str(script), "--lr", "3"]).stdout.strip().splitlines()[-1]
-    assert out == "True True ['--lr', '3']"
+    assert out == "True True True 1 ['--lr', '3']"  # children (spawn workers, launchers) are patched too
+    out = run_python(["-m", "dspatch.apply", "--only", "deepspeed", str(script)]).stdout.strip().splitlines()[-1]
+    assert out == "True True True deepspeed []"

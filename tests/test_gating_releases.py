@@ -65,10 +65,15 @@ def test_versions_outside_the_written_range():
     ("0.16.4+g5678", "0.16.4", gating.FIXED_UPSTREAM),  # git build with the fix
     ("0.16.4.dev0", "0.16.4", gating.FIXED_UPSTREAM),
     ("0.16.3.post1", "0.16.3", gating.APPLIES),
-    ("0.16.3.post1", "0.16.4", gating.DRIFTED),    # says 0.16.3, has other code: left out
+    ("0.16.3.post1", "0.16.4", gating.FIXED_UPSTREAM),  # says 0.16.3, has upstream's fix backported
+    ("0.16.4+g9999", "drifted-0.16.3", gating.DRIFTED),  # neither a known affected source nor the fix
 ])
 def test_builds_that_are_not_plain_releases_are_judged_by_their_source(version, files, expected, tmp_path):
-    locate = extract_modules("deepspeed", files, PATCH.modules, str(tmp_path))
+    locate = extract_modules("deepspeed", files.rpartition("-")[2], PATCH.modules, str(tmp_path))
+    if files.startswith("drifted-"):  # a local change to one of the functions the patch rebuilds
+        path = locate(PATCH.targets[0].module)
+        text = open(path).read().replace("        my_count = count[0]\n", "        my_count = count[0] + 0\n")
+        open(path, "w").write(text)
     _, verdict, reason = gating.evaluate(PATCH, version=version, locate=locate)
     assert verdict == expected, reason
 

@@ -15,6 +15,9 @@ finder = PostImportFinder(seen.append, watched=("fakepkg",))
 sys.meta_path.insert(0, finder)
 for _ in range(50):  # libraries probe with find_spec all the time: nothing may pile up
     importlib.util.find_spec("fakepkg")
+import copy, pickle
+probe = importlib.util.find_spec("fakepkg.other")  # a spec nobody imports keeps the proxy loader
+copy.deepcopy(probe); pickle.loads(pickle.dumps(probe.loader))  # no recursion
 import fakepkg.sub, plain
 mod = sys.modules["fakepkg.sub"]
 print(json.dumps({"seen": seen, "loader": type(mod.__loader__).__name__,
@@ -27,6 +30,7 @@ def _fake_package(root):
     (root / "fakepkg" / "__init__.py").write_text("from . import helper\n")
     (root / "fakepkg" / "helper.py").write_text("X = 1\n")
     (root / "fakepkg" / "sub.py").write_text("VALUE = 42\n")
+    (root / "fakepkg" / "other.py").write_text("")
     (root / "plain.py").write_text("Y = 2\n")
 
 
@@ -113,3 +117,25 @@ def test_rewrite_changes_only_what_the_transform_changes(tmp_path):
     assert out["fixed"] == ["base", "box", "mangled", 7, 1, text]
     assert out["again"][4] == 2  # mutable default: the original's own list, shared with the copy
     assert out["line"] and out["decorated"] and out["annotation"] == "Missing"
+
+
+def test_rewrite_refuses_class_body_names_in_decorators(tmp_path):
+    (tmp_path / "target.py").write_text(textwrap.dedent('''
+        class Box:
+            @property
+            def size(self):
+                return self.id
+
+            @size.setter
+            def size(self, value):
+                self.id = value
+        '''))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import target\n"
+            "from dspatch.spec import Target\n"
+            "from dspatch.rewrite import RewriteError, rebuild, rename_attribute\n"
+            "try:\n"
+            "    rebuild(Target('target', 'Box.size', {}), rename_attribute('id', 'ds_id'), vars(target.Box)['size'])\n"
+            "except RewriteError as e:\n"
+            "    print('refused', e)\n")
+    out = run_python(["-c", code, str(tmp_path)]).stdout
+    assert out.startswith("refused Box.size: its decorators/defaults use class-body names ['size']")

@@ -145,6 +145,16 @@ def test_strict_makes_drift_an_import_error(deepspeed_copy):
     assert proc.returncode != 0 and "PatchError" in proc.stderr and "DSPATCH_STRICT=1" in proc.stderr
 
 
+def test_strict_set_from_code_also_makes_drift_an_import_error(deepspeed_copy):
+    if not affected():
+        pytest.skip("the version gate decides first on fixed releases")
+    site, package = deepspeed_copy
+    _drift(package)
+    code = "import dspatch; dspatch.apply(['deepspeed/zero3-module-id'], strict=True); import deepspeed"
+    proc = run_python(["-c", code], env=clean_env(PYTHONPATH=site), check=False)
+    assert proc.returncode != 0 and "PatchError" in proc.stderr and "internal error" not in proc.stderr
+
+
 def test_import_order_revert_and_idempotence():
     """dspatch.apply() after `import deepspeed` patches at once; twice changes nothing; revert restores."""
     if not affected():
@@ -167,7 +177,8 @@ second = dspatch.apply(["deepspeed/zero3-module-id"])
 report = {"first": first["deepspeed/zero3-module-id"][0], "second": second["deepspeed/zero3-module-id"][0],
           "same_wrapper": vars(O)["_register_hooks_recursively"] is wrapped,
           "is_wrapper": isinstance(wrapped, wrapt.FunctionWrapper),
-          "defaults_shared": wrapped.__wrapped__.__defaults__[0] is originals["_register_hooks_recursively"].__defaults__[0],
+          # the rebuilt function the guard calls shares upstream's `count=[0]` list, not a fresh one
+          "defaults_shared": wrapped._self_wrapper.__defaults__[0].__defaults__[0] is originals["_register_hooks_recursively"].__defaults__[0],
           "patched": outcome()}
 try:
     dspatch.revert(); report["plain_revert"] = "reverted"
@@ -212,6 +223,8 @@ for qualname, (original, installed) in runtime._applied["deepspeed/zero3-module-
     new = [f for f in _functions_in(installed) if f.__code__.co_name == name][0]
     old = [f for f in _functions_in(original) if f.__code__.co_name == name][0]
     t = PATCH.targets[[x.qualname for x in PATCH.targets].index(qualname)]
+    chain = lambda f: [(g.__code__.co_name, getattr(g, "_torchdynamo_disable", None)) for g in _functions_in(f)]
+    assert chain(installed) == chain(original), (qualname, chain(installed), chain(original))  # same decorators
     rows.append([t.qualname, new.__qualname__ == old.__qualname__, new.__code__.co_firstlineno == old.__code__.co_firstlineno,
                  new.__code__.co_filename == old.__code__.co_filename, new.__module__ == old.__module__,
                  "ds_id" in names(new.__code__) and "id" not in names(new.__code__) and "id" in names(old.__code__)])
@@ -303,9 +316,12 @@ def test_reloading_a_patched_module_patches_it_again():
             "again = vars(O)['_register_hooks_recursively']\n"
             "print(getattr(vars(pc.PartitionedParameterCoordinator)['reset_step'], '__dspatch__', None) == "
             "'deepspeed/zero3-module-id', "
-            "again is not first and not isinstance(again.__wrapped__, wrapt.FunctionWrapper), r.applied_ids())")
-    out = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1]
-    assert out == f"True True ['{PID}']"  # re-applied whole, never a wrapper around a wrapper
+            "again is not first and not isinstance(again.__wrapped__, wrapt.FunctionWrapper), r.applied_ids())\n"
+            "from dspatch.patches.deepspeed.zero3_module_id import expert_ids_through_training\n"
+            "print(expert_ids_through_training())  # other modules still hold the old classes: both patched\n")
+    lines = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.splitlines()
+    assert f"True True ['{PID}']" in lines  # re-applied whole, never a wrapper around a wrapper
+    assert lines[-1] == "([0, 1, 2, 3], [0, 1, 2, 3])"
 
 
 COPY_AND_REINIT = r'''

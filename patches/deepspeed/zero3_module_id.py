@@ -215,4 +215,5 @@ PATCH = Patch(
                "own_ds_id_kept": own_ds_id_kept},
     expected_on_stock=("user_id_survives", "placement_during_training"),
     in_use=zero3_engines_alive,
+    fixed_marker=(OFFLOAD, "DeepSpeedZeRoOffload._register_deepspeed_module"),  # PR 6847's new name
 )
