@@ -20,7 +20,7 @@ PROBLEMS = (gating.DRIFTED, gating.FAILED)
 
 def _env_summary(environ):
     shown = {k: environ[k] for k in ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT") if environ.get(k)}
-    if environ.get("DSPATCH", "").strip().lower() in registry.OFF_WORDS:
+    if not registry.flag("DSPATCH", environ):
         state = "DSPATCH is not set: nothing is applied until you set DSPATCH=1 (or a list of ids)"
     else:
         state = "active: patches marked 'applies' are applied when their package is imported"
@@ -91,8 +91,9 @@ def check(args):
 def run_script(args):
     # Through the environment, so that every process the script starts (spawn workers, launchers) is
     # patched the same way, as with DSPATCH=... on the command line.
-    os.environ["DSPATCH"] = ",".join(args.only) if args.only else os.environ.get("DSPATCH", "").strip() or "1"
-    if os.environ["DSPATCH"].lower() in registry.OFF_WORDS:
+    if args.only:
+        os.environ["DSPATCH"] = ",".join(args.only)
+    elif not registry.flag("DSPATCH"):
         os.environ["DSPATCH"] = "1"
     dspatch.apply(None, strict=None)
     sys.argv = [args.script, *args.script_args]

@@ -198,7 +198,7 @@ def _has_fix(patch, locate):
     module, qualname = patch.fixed_marker
     path = locate(module)
     try:
-        return path is not None and source_segment(path, qualname) is not None
+        return path is not None and definition(path, qualname) is not None
     except (OSError, SyntaxError, UnicodeDecodeError):
         return False
 
@@ -209,7 +209,7 @@ def check_all(ids=None, environ=None):
 
     patches = registry.all_patches()
     env = os.environ if environ is None else environ
-    active = ids is not None or env.get("DSPATCH", "").strip().lower() not in registry.OFF_WORDS
+    active = ids is not None or registry.flag("DSPATCH", env)
     if active:
         _, left_out = registry.selection(ids, env)
     else:
