@@ -37,7 +37,13 @@ def _report(key, message):
 
 
 def state_of(pid):
-    return _outcome.get(pid)
+    with _lock:
+        if _active:
+            try:
+                _catch_up()
+            except PatchError:  # strict: recorded as the verdict; raised at the next watched import
+                pass
+        return _outcome.get(pid)
 
 
 def applied_ids():
@@ -56,17 +62,43 @@ def _module_ready(name, just_loaded=None):
 def module_loaded(name):
     """Called by the import hook after a module of a watched package has executed."""
     with _lock:
+        _seen.add(name)
         if not _active:
             activate(None, None, just_loaded=name)
         else:
             _requeue_if_reloaded(name)
             _apply_ready(name)
+        _catch_up(just_loaded=name)
         if name == LAUNCHER:
             forward_to_nodes()
         if _strict:
-            for pid, message in _strict_failures.items():
-                if name in registry.all_patches()[pid].modules:
+            for key, message in _strict_failures.items():
+                if key == SELECTION or name in registry.all_patches()[key].modules:
                     raise PatchError(message)
+
+
+SELECTION = "selection"  # key of a bad DSPATCH/DSPATCH_DISABLE in _strict_failures: every import fails
+_seen = set()  # watched modules whose import passed the hook
+
+
+def _catch_up(just_loaded=None):
+    """A pending patch whose modules are all imported, yet it did not apply when the last of them loaded,
+    was bypassed: a finder ahead of dspatch's on sys.meta_path imported them without our loader. Say so;
+    apply it late (its in-use check still guards live objects); under strict, fail."""
+    for pid, patch in list(_pending.items()):
+        if not all(_module_ready(m, just_loaded) for m in patch.modules):
+            continue
+        missed = [m for m in patch.modules if m not in _seen]
+        if not missed:
+            continue
+        loader = type(getattr(getattr(sys.modules.get(missed[0]), "__spec__", None), "loader", None))
+        del _pending[pid]
+        reason = (f"{', '.join(missed)} imported without passing dspatch's import hook (loader "
+                  f"{loader.__module__}.{loader.__qualname__}: a finder ahead of dspatch's on sys.meta_path)")
+        if _strict:
+            return _fail(patch, gating.FAILED, f"not applied: {reason}", f"{pid} not applied: {reason}")
+        _report(("bypass", pid), f"{pid}: {reason}; applying it late")
+        _apply_one(patch, late=True)
 
 
 # The multi-node DeepSpeed launcher (`deepspeed --hostfile ...`, also behind `accelerate launch`) passes on
@@ -92,9 +124,11 @@ def activate(ids, strict, just_loaded=None):
             chosen, _ = registry.selection(ids)
         except registry.SelectionError as e:
             _report(("selection", str(e)), f"{e}. Nothing applied.")
-            if _strict:
-                raise
+            if _strict:  # and so fails every later import of a watched package, not only the first
+                _strict_failures[SELECTION] = f"dspatch: {e}. Nothing applied (DSPATCH_STRICT=1)."
+                raise PatchError(_strict_failures[SELECTION]) from None
             return {}
+        _strict_failures.pop(SELECTION, None)
         from dspatch import _boot
 
         if _boot.finder() is None:
@@ -150,7 +184,10 @@ def _apply_one(patch, late=False):
     if verdict != gating.APPLIES:
         _outcome[patch.id] = (verdict, reason)
         return
-    busy = patch.in_use() if late and patch.in_use else None
+    try:
+        busy = patch.in_use() if late and patch.in_use else None
+    except Exception as e:  # the verdict must stay the truth whatever happens
+        busy = f"could not tell whether live objects depend on it ({type(e).__name__}: {e})"
     if busy:
         reason = f"not applied: {busy}"
         return _fail(patch, gating.FAILED, reason, f"{patch.id} {reason}")
@@ -175,8 +212,13 @@ def revert(ids=None, force=False):
     with _lock:
         wanted = list(_applied) if ids is None else registry._resolve_tokens(
             registry.split(ids) if isinstance(ids, str) else list(ids), "dspatch.revert()")
-        busy = {pid: _applied[pid].patch.in_use() for pid in wanted
-                 if pid in _applied and _applied[pid].patch.in_use and not force}
+        busy = {}
+        for pid in wanted:
+            if pid in _applied and _applied[pid].patch.in_use and not force:
+                try:
+                    busy[pid] = _applied[pid].patch.in_use()
+                except Exception as e:
+                    busy[pid] = f"could not tell whether live objects depend on it ({type(e).__name__}: {e})"
         busy = {pid: why for pid, why in busy.items() if why}
         if busy:
             raise RuntimeError("dspatch: not reverted, " + "; ".join(f"{p}: {w}" for p, w in busy.items())
@@ -201,12 +243,96 @@ def revert(ids=None, force=False):
         return done
 
 
+def lookup(module, qualname):
+    """The object `qualname` names in `module` now (how a patched function or wrapper pickles: by name, as
+    a plain function does)."""
+    import importlib
+
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+_wrapper_class = None
+
+
+def _wrapper_type():
+    """wrapt.FunctionWrapper that copies and pickles like the function it wraps (by reference), so a patched
+    method behaves as a stock one under copy, deepcopy and pickle (wrapt's proxies refuse by default)."""
+    global _wrapper_class
+    if _wrapper_class is None:
+        import wrapt
+
+        def by_name(self):
+            instance = getattr(self, "_self_instance", None)
+            if instance is not None:  # a bound method pickles as getattr(instance, name), as stock
+                return getattr, (instance, self.__name__)
+            return lookup, (self.__module__, self.__qualname__)
+
+        def same(self, *memo):
+            return self
+
+        members = {"__reduce__": by_name, "__reduce_ex__": lambda self, protocol: by_name(self),
+                   "__copy__": same, "__deepcopy__": same}
+        bound = type("BoundPatchWrapper", (wrapt.BoundFunctionWrapper,), dict(members))
+        _wrapper_class = type("PatchWrapper", (wrapt.FunctionWrapper,),
+                              dict(members, __bound_function_wrapper__=bound))
+    return _wrapper_class
+
+
+class _CodeChange:
+    """A function object of upstream's whose `__code__` was swapped for a rebuilt one. Undone by swapping it
+    back, whoever holds the function (the class, decorators, another tool's wrapper) and wherever."""
+
+    def __init__(self, target, function, old, new):
+        self.target, self.function, self.old, self.new = target, function, old, new
+
+    def describe(self):
+        return f"{self.target}: code rebuilt in place"
+
+    def intact(self, txn):
+        owner, name, value = txn.resolve(self.target)
+        from dspatch.rewrite import upstream_function
+
+        return upstream_function(value, self.target, self.function.__code__.co_filename) is self.function \
+            and self.function.__code__ is self.new
+
+    def undo(self):
+        if self.function.__code__ is self.new:  # never undo someone else's later change
+            self.function.__code__ = self.old
+
+
+class _AttributeChange:
+    """A wrapper installed on a class or module attribute, on top of whatever was there."""
+
+    def __init__(self, target, owner, name, previous, installed, switch):
+        self.target, self.owner, self.name = target, owner, name
+        self.previous, self.installed, self.switch = previous, installed, switch
+
+    def describe(self):
+        return f"{self.target}: wrapped"
+
+    def intact(self, txn):
+        return vars(self.owner).get(self.name) is self.installed and txn.resolve(self.target)[0] is self.owner
+
+    def undo(self):
+        self.switch["on"] = False  # from now on the wrapper only forwards, wherever it still sits
+        if vars(self.owner).get(self.name) is self.installed:
+            setattr(self.owner, self.name, self.previous)
+        # else another tool wrapped ours since: it stays, and ours inside it is a plain pass-through now
+
+
 class Transaction:
-    """The changes one patch makes, recorded so that they can be undone together."""
+    """The changes one patch makes, recorded so that they can be undone together.
+
+    Two ways to change a target, both of which keep other patchers' work (profilers, tracers, users' own
+    monkeypatches, before or after dspatch) in force: `recode` changes upstream's function object in place,
+    `wrap` puts a wrapper on top of whatever the attribute holds. Undoing either is always whole."""
 
     def __init__(self, patch):
         self.patch = patch
-        self._undo = []  # (target, owner, attribute, original, installed wrapper)
+        self._undo = []
 
     def target(self, qualname):
         for t in self.patch.targets:
@@ -215,52 +341,60 @@ class Transaction:
         raise KeyError(qualname)
 
     def resolve(self, target):
-        """(owner, attribute name, raw original) of a target in its imported module; where an earlier
-        transaction of this patch still sits (after a reload elsewhere), upstream's original behind it."""
+        """(owner, attribute name, value) of a target in its imported module; where an earlier transaction
+        of this patch still wraps it (after a reload elsewhere), the value behind that wrapper."""
         owner = sys.modules[target.module]
         *path, name = target.qualname.split(".")
         for part in path:
             owner = getattr(owner, part)
         raw = vars(owner)[name]
         for old in _superseded.get(self.patch.id, ()):
-            for _, old_owner, old_name, original, installed in old._undo:
-                if installed is raw:
-                    return owner, name, original
+            for change in old._undo:
+                if isinstance(change, _AttributeChange) and change.installed is raw:
+                    return owner, name, change.previous
         return owner, name, raw
 
+    def recode(self, target, transform):
+        """Rebuild the target's code from the installed source with `transform` (see dspatch.rewrite) and
+        install it in upstream's own function object. Returns that function."""
+        from dspatch.rewrite import rebuild_code, upstream_function
+
+        _, _, value = self.resolve(target)
+        function = upstream_function(value, target, sys.modules[target.module].__file__)
+        new = rebuild_code(target, transform, function)
+        self._undo.append(_CodeChange(target, function, function.__code__, new))
+        function.__code__ = new
+        return function
+
     def wrap(self, target, wrapper):
-        """Install wrapt.FunctionWrapper(original, wrapper) on the target; returns the original."""
-        import wrapt
+        """Install a wrapt-style wrapper (wrapper(wrapped, instance, args, kwargs)) on the target, on top of
+        whatever sits there now; returns that. Reverted, it is removed, or if another tool has wrapped it
+        since, turned into a pass-through so that the other tool's wrapper keeps working."""
+        owner, name, current = self.resolve(target)
+        switch = {"on": True}
 
-        owner, name, original = self.resolve(target)
-        return self._install(target, owner, name, original, wrapt.FunctionWrapper(original, wrapper))
+        def call(wrapped, instance, args, kwargs):
+            if switch["on"]:
+                return wrapper(wrapped, instance, args, kwargs)
+            return wrapped(*args, **kwargs)
 
-    def replace(self, target, rebuilt):
-        """Install a function rebuilt from the target's own source (dspatch.rewrite) in its place. No wrapper:
-        on a hot path the copy costs exactly what upstream's function costs. Marked `__dspatch__`."""
-        owner, name, original = self.resolve(target)
-        rebuilt.__dspatch__ = self.patch.id
-        return self._install(target, owner, name, original, rebuilt)
-
-    def _install(self, target, owner, name, original, installed):
+        installed = _wrapper_type()(current, call)
+        self._undo.append(_AttributeChange(target, owner, name, current, installed, switch))
         setattr(owner, name, installed)
-        self._undo.append((target, owner, name, original, installed))
-        return original
+        return current
 
-    def originals(self):
-        """{qualname: (original, installed)} of what this transaction changed."""
-        return {target.qualname: (original, installed) for target, _, _, original, installed in self._undo}
+    def changes(self):
+        return [change.describe() for change in self._undo]
 
     def intact(self):
-        """Whether every wrapper is still where it was installed (False after a reload)."""
+        """Whether every change is still in force where the target's module now points (False after a
+        reload, which re-creates the module's classes and functions)."""
         try:
-            return all(self.resolve(target)[2] is installed for target, _, _, _, installed in self._undo)
-        except (KeyError, AttributeError):
+            return all(change.intact(self) for change in self._undo)
+        except Exception:
             return False
 
     def rollback(self):
-        """Restore every original whose wrapper is still in place (never undo someone else's change)."""
+        """Undo every change, last first. Always whole: see _CodeChange.undo and _AttributeChange.undo."""
         while self._undo:
-            _, owner, name, original, installed = self._undo.pop()
-            if vars(owner).get(name) is installed:
-                setattr(owner, name, original)
+            self._undo.pop().undo()

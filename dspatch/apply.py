@@ -15,11 +15,12 @@ import sys
 import dspatch
 from dspatch import gating, registry
 
-PROBLEMS = (gating.DRIFTED, gating.FAILED)
+PROBLEMS = (gating.DRIFTED, gating.FAILED, gating.BROKEN)
 
 
 def _env_summary(environ):
-    shown = {k: environ[k] for k in ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT") if environ.get(k)}
+    shown = {k: registry.short(environ[k]) for k in ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT")
+             if environ.get(k)}
     if not registry.flag("DSPATCH", environ):
         state = "DSPATCH is not set: nothing is applied until you set DSPATCH=1 (or a list of ids)"
     else:
@@ -49,7 +50,7 @@ def _verify(patch):
 
 def check(args):
     try:
-        rows = gating.check_all(args.only)
+        rows = gating.check_all(args.only, source=_only_source(args))
     except registry.SelectionError as e:
         print(f"dspatch: {e}", file=sys.stderr)
         return 2
@@ -80,6 +81,8 @@ def check(args):
         print(f"\n{row.patch.id:<{width}}{pkg:<24}{row.verdict}")
         print(f"  {row.patch.summary}")
         print(f"  why: {row.reason}")
+        if row.patch.note and row.verdict in (gating.APPLIES, gating.APPLIED):
+            print(f"  note: {row.patch.note}")
         for link in row.patch.links:
             print(f"  see: {link}")
         if row.patch.id in verified:
@@ -88,10 +91,19 @@ def check(args):
     return status
 
 
+def _only_source(args):
+    return f"--only {registry.short(','.join(args.only or []))}"
+
+
 def run_script(args):
     # Through the environment, so that every process the script starts (spawn workers, launchers) is
     # patched the same way, as with DSPATCH=... on the command line.
-    if args.only:
+    try:  # a bad selection is refused before the script runs (it would run unpatched)
+        registry.selection(args.only, source=_only_source(args))
+    except registry.SelectionError as e:
+        print(f"dspatch: {e}; {args.script} not run", file=sys.stderr)
+        return 2
+    if args.only is not None:
         os.environ["DSPATCH"] = ",".join(args.only)
     elif not registry.flag("DSPATCH"):
         os.environ["DSPATCH"] = "1"

@@ -22,6 +22,7 @@ DRIFTED = "drifted"
 DISABLED = "disabled"
 UNSUPPORTED = "unsupported"
 FAILED = "failed"
+BROKEN = "broken install"
 
 
 def installed_version(distribution):
@@ -108,12 +109,63 @@ def source_segment(path, qualname):
     return first, lines[first - 1:node.end_lineno]
 
 
+def code_tokens(text):
+    """The tokens of some source that carry meaning: no comments, no blank or wrapped-line breaks, no
+    indentation widths (block structure is kept as INDENT/DEDENT marks), string literals by value (quotes,
+    prefixes and implicit concatenation normalised). The same for every Python version: f-strings, which
+    Python 3.12 splits into parts, are kept as their source text."""
+    import io
+    import tokenize
+
+    lines = text.splitlines(keepends=True)
+    out, depth, start = [], 0, None
+    fstring_start = getattr(tokenize, "FSTRING_START", None)
+    fstring_end = getattr(tokenize, "FSTRING_END", None)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        kind = tok.type
+        if fstring_start is not None and kind == fstring_start:
+            start = tok.start if depth == 0 else start
+            depth += 1
+            continue
+        if fstring_end is not None and kind == fstring_end:
+            depth -= 1
+            if depth == 0:
+                (row0, col0), (row1, col1) = start, tok.end
+                raw = "".join(lines[row0 - 1:row1])
+                out.append(("s", raw[col0:len(raw) - len(lines[row1 - 1]) + col1]))
+            continue
+        if depth or kind in (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER):
+            continue
+        if kind == tokenize.NEWLINE:
+            out.append(("n", ""))
+        elif kind == tokenize.INDENT:
+            out.append(("i", ""))
+        elif kind == tokenize.DEDENT:
+            out.append(("d", ""))
+        elif kind == tokenize.STRING:
+            try:
+                value = ast.literal_eval(tok.string)
+            except (ValueError, SyntaxError):  # an f-string before 3.12: its text
+                out.append(("s", tok.string))
+                continue
+            if out and out[-1][0] == "v" and type(out[-1][1]) is type(value):
+                out[-1] = ("v", out[-1][1] + value)  # "a" "b" is "ab"
+            else:
+                out.append(("v", value))
+        else:
+            out.append(("t", tok.string))
+    while out and out[0][0] == "i":  # the definition's own nesting level
+        out.pop(0)
+    while out and out[-1][0] == "d":
+        out.pop()
+    return [kind + (repr(value) if kind == "v" else value) for kind, value in out]
+
+
 def fingerprint_lines(lines):
-    """Hash of a definition's code, blind to indentation level, blank lines, comment lines and trailing
-    spaces (all of which releases change without changing behaviour), and to the Python version reading it."""
-    indent = len(lines[0]) - len(lines[0].lstrip())
-    kept = [line[indent:].rstrip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+    """Hash of a definition's code tokens (see code_tokens): blind to comments, blank lines, line wrapping,
+    indentation widths and string quoting, which releases and forks change without changing behaviour; not
+    blind to any change of code (docstrings included), nor dependent on the Python version reading it."""
+    return hashlib.sha256("\x1f".join(code_tokens("\n".join(lines) + "\n")).encode()).hexdigest()[:16]
 
 
 def fingerprint(path, qualname):
@@ -131,7 +183,7 @@ class Row:
         p = self.patch
         return {"id": p.id, "distribution": p.distribution, "version": self.version, "verdict": self.verdict,
                 "reason": self.reason, "summary": p.summary, "affected": p.affected, "fixed_in": p.fixed_in,
-                "supported": p.supported,
+                "supported": p.supported, "note": p.note,
                 "links": list(p.links), "diffs": dict(p.diffs)}
 
 
@@ -153,13 +205,20 @@ def _source_mismatch(patch, locate):
     return None
 
 
-def evaluate(patch, version=None, locate=module_file):
+def evaluate(patch, version=None, locate=module_file, others=None):
     """(version, verdict, reason) from the environment alone: selection and in-process state not considered.
 
     `version` and `locate` (module name -> source path) default to the installed ones; tests pass those of
-    downloaded releases."""
+    downloaded releases, and `others` {distribution: version} for the distributions in `patch.requires`."""
     version = installed_version(patch.distribution) if version is None else version
     if version is None:
+        try:
+            found = locate(patch.modules[0])
+        except Exception:
+            found = None
+        if found:  # its files are there, its metadata is not: say what is there, do not guess a release
+            return None, BROKEN, (f"{patch.distribution}'s files are installed ({found}) but its metadata "
+                                  f"(dist-info) is missing or unreadable, so its release cannot be told; left out")
         return None, NOT_INSTALLED, f"{patch.distribution} is not installed"
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
@@ -177,6 +236,15 @@ def evaluate(patch, version=None, locate=module_file):
         return version, FIXED_UPSTREAM, f"fixed upstream in {patch.fixed_in}"
     if plain and not SpecifierSet(patch.affected).contains(parsed):
         return version, NOT_AFFECTED, f"the bug affects {patch.distribution} {patch.affected} only"
+    for other, wanted in patch.requires.items():  # the bug needs these too (torch >= 2.6, say)
+        seen = others[other] if others and other in others else installed_version(other)
+        try:
+            needed = seen is not None and SpecifierSet(wanted).contains(Version(seen).base_version)
+        except InvalidVersion:
+            needed = True  # cannot tell: the source check below still decides
+        if not needed:
+            return version, NOT_AFFECTED, (f"the bug needs {other}{wanted}; {other} "
+                                           f"{seen or 'is not installed'}{' is installed' if seen else ''}")
     if patch.supported and not SpecifierSet(patch.supported).contains(release):
         return version, UNSUPPORTED, (f"{patch.distribution} {version} has the bug, but this patch is written and "
                                       f"tested for {patch.supported} only; left out")
@@ -203,7 +271,7 @@ def _has_fix(patch, locate):
         return False
 
 
-def check_all(ids=None, environ=None):
+def check_all(ids=None, environ=None, source="dspatch.apply()"):
     """Rows for every registered patch: environment verdict, then selection, then in-process state."""
     from dspatch import _runtime  # light: imports wrapt only when a patch is applied
 
@@ -211,7 +279,7 @@ def check_all(ids=None, environ=None):
     env = os.environ if environ is None else environ
     active = ids is not None or registry.flag("DSPATCH", env)
     if active:
-        _, left_out = registry.selection(ids, env)
+        _, left_out = registry.selection(ids, env, source)
     else:
         left_out = {}
     rows = []

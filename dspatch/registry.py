@@ -28,8 +28,17 @@ class SelectionError(ValueError):
     pass
 
 
-def _resolve_tokens(tokens, source):
+def short(value, limit=80):
+    """A user's value as echoed in a message: repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(value)} characters)"
+
+
+def _resolve_tokens(tokens, source, empty_ok=False):
     known = all_patches()
+    if not tokens and not empty_ok:
+        raise SelectionError(f"{source} names no patch; known ids: {', '.join(known)} "
+                             f"(or a prefix such as 'deepspeed', or 1 for all)")
     chosen = []
     for token in tokens:
         if token.lower() in ON_WORDS:
@@ -38,8 +47,9 @@ def _resolve_tokens(tokens, source):
         # an id, or a prefix of ids ending at a "/" (e.g. "deepspeed" selects every deepspeed/... patch)
         hits = [pid for pid in known if pid == token or pid.startswith(token.rstrip("/") + "/")]
         if not hits:
+            what = "is an unknown patch id" if len(tokens) == 1 else f"names unknown patch id {short(token)}"
             raise SelectionError(
-                f"{source} names unknown patch id {token!r}; known ids: {', '.join(known)} "
+                f"{source} {what}; known ids: {', '.join(known)} "
                 f"(or a prefix such as 'deepspeed', or 1 for all)")
         chosen.extend(hits)
     return chosen
@@ -49,7 +59,7 @@ def split(value):
     return [t.strip() for t in value.replace(";", ",").split(",") if t.strip()]
 
 
-def selection(ids=None, environ=None):
+def selection(ids=None, environ=None, source="dspatch.apply()"):
     """The ids selected by `ids` (code) or by DSPATCH, less DSPATCH_DISABLE. Raises SelectionError.
 
     Returns (selected ids in registry order, reason text for each patch left out)."""
@@ -62,11 +72,12 @@ def selection(ids=None, environ=None):
         elif raw.lower() in ON_WORDS:
             wanted = list(known)
         else:
-            wanted = _resolve_tokens(split(raw), f"DSPATCH={raw!r}")
+            wanted = _resolve_tokens(split(raw), f"DSPATCH={short(raw)}")
     else:
-        wanted = _resolve_tokens(list(ids), "dspatch.apply()") if not isinstance(ids, str) else \
-            _resolve_tokens(split(ids), "dspatch.apply()")
-    disabled = set(_resolve_tokens(split(env.get("DSPATCH_DISABLE", "")), "DSPATCH_DISABLE"))
+        tokens = split(ids) if isinstance(ids, str) else [t for t in ids]
+        wanted = _resolve_tokens(tokens, source)
+    raw_disable = env.get("DSPATCH_DISABLE", "")
+    disabled = set(_resolve_tokens(split(raw_disable), f"DSPATCH_DISABLE={short(raw_disable)}", empty_ok=True))
     chosen = [pid for pid in known if pid in wanted and pid not in disabled]
     left_out = {}
     for pid in known:

@@ -101,6 +101,41 @@ def _refuse_class_scope_names(path, classes, definition, flags):
                            f"names {sorted(used)}, which a rebuilt copy cannot see")
 
 
+def upstream_function(obj, target, filename):
+    """The function object compiled from the target's own definition, inside whatever now sits at its
+    attribute: upstream's decorators, and wrappers other tools put around it (profilers, tracers, users'
+    monkeypatches; wrapt and functools.wraps keep it reachable). RewriteError, naming what sits there,
+    when the definition cannot be reached: something replaced it without keeping it."""
+    name = target.qualname.rsplit(".", 1)[-1]
+    node = gating.definition(filename, target.qualname)
+    first = node and min([node.lineno] + [d.lineno for d in node.decorator_list])
+    found = [f for f in _functions_in(obj, depth=8) if f.__code__.co_name == name
+             and f.__code__.co_filename == filename and f.__code__.co_firstlineno in (first, node.lineno)]
+    if len(found) != 1:
+        raise RewriteError(f"{target} is {_describe(obj)}, from which deepspeed's own function cannot be reached "
+                           f"(replaced by another patcher?): the fix would not run")
+    return found[0]
+
+
+def _describe(obj):
+    kind = type(obj)
+    where = getattr(obj, "__module__", None) or kind.__module__
+    return f"a {kind.__module__}.{kind.__qualname__} ({getattr(obj, '__qualname__', repr(obj)[:60])} from {where})"
+
+
+def rebuild_code(target, transform, function):
+    """The code object of `function` (upstream's own, see upstream_function) recompiled from its module's
+    source after `transform`. Installed as `function.__code__`, it changes what every reference to the
+    function runs (the class attribute, upstream's decorators, anyone's wrapper around it) while the
+    function object, its defaults, closure (`__class__`), name and identity stay upstream's."""
+    rebuilt = rebuild(target, transform, function)
+    code = _the_function(rebuilt, function.__code__.co_name, function.__code__.co_filename, target).__code__
+    if code.co_freevars != function.__code__.co_freevars:
+        raise RewriteError(f"{target}: the rebuilt code needs the free variables {code.co_freevars}, the installed "
+                           f"function has {function.__code__.co_freevars}")
+    return code
+
+
 def _the_function(obj, name, filename, target):
     """The function object compiled from the definition inside a decorated callable."""
     for f in _functions_in(obj):

@@ -28,12 +28,17 @@ class Patch:
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
     - `fixed_marker`: optional (module, qualname) of a definition that exists only once upstream's fix is in;
       how a build that is not a plain release (git, dev, local) is recognised as fixed.
+    - `requires`: {other distribution: PEP 440 specifier} the bug also needs (torch >= 2.6 for a torch.load
+      default, say); outside it the verdict is "not affected" and says which version was seen.
+    - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the
+      installed file while the code that runs was rebuilt from it.
     - `in_use()`: optional; a reason why applying now (after its targets were imported and used) or reverting
       would break live objects, or None. Checked before a late apply and before a revert.
     """
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
-                 diffs=None, scenarios=None, expected_on_stock=(), in_use=None, fixed_marker=None):
+                 diffs=None, scenarios=None, expected_on_stock=(), in_use=None, fixed_marker=None, note="",
+                 requires=None):
         self.id = id
         self.summary = summary
         self.distribution = distribution
@@ -49,6 +54,8 @@ class Patch:
         self.expected_on_stock = tuple(expected_on_stock)
         self.in_use = in_use
         self.fixed_marker = fixed_marker
+        self.note = note
+        self.requires = dict(requires or {})
 
     @property
     def modules(self):

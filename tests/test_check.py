@@ -43,7 +43,7 @@ def test_malformed_dspatch_is_a_clear_error():
     proc = run_python(["-m", "dspatch.apply", "--check"], env=clean_env(DSPATCH="deepspeed/zero3-moduleid"),
                       check=False)
     assert proc.returncode == 2
-    assert "unknown patch id 'deepspeed/zero3-moduleid'" in proc.stderr
+    assert "DSPATCH='deepspeed/zero3-moduleid' is an unknown patch id" in proc.stderr
     assert "known ids: deepspeed/zero3-module-id" in proc.stderr
 
 
@@ -71,3 +71,39 @@ def test_run_a_script_with_dspatch_active(tmp_path):
     assert out == "True True True 1 ['--lr', '3']"  # children (spawn workers, launchers) are patched too
     out = run_python(["-m", "dspatch.apply", "--only", "deepspeed", str(script)]).stdout.strip().splitlines()[-1]
     assert out == "True True True deepspeed []"
+
+
+def test_selection_edge_cases_on_the_command_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('SCRIPT RAN')\n")
+    empty = run_python(["-m", "dspatch.apply", "--check", "--only", ""], check=False)
+    assert empty.returncode == 2 and "--only '' names no patch" in empty.stderr
+    bogus = run_python(["-m", "dspatch.apply", "--only", "bogus", str(script)], check=False)
+    assert bogus.returncode == 2 and "SCRIPT RAN" not in bogus.stdout
+    assert "--only 'bogus' is an unknown patch id" in bogus.stderr and "not run" in bogus.stderr
+    commas = run_python(["-m", "dspatch.apply", "--check"], env=clean_env(DSPATCH=",,"), check=False)
+    assert commas.returncode == 2 and "DSPATCH=',,' names no patch" in commas.stderr
+    at_runtime = run_python(["-c", "import dspatch; print(dspatch.apply(None))"], env=clean_env(DSPATCH=",,"))
+    assert "names no patch" in at_runtime.stderr and at_runtime.stdout.strip() == "{}"
+    huge = run_python(["-m", "dspatch.apply", "--check"], env=clean_env(DSPATCH="y" * 100_000), check=False)
+    assert huge.returncode == 2 and len(huge.stderr) < 1000 and huge.stderr.count("(100000 characters)") == 1
+
+
+def test_files_without_metadata_are_a_broken_install_not_absent(tmp_path):
+    """A damaged install (dist-info deleted, files still there): say what is there; --strict fails."""
+    from dspatch import registry
+
+    patch = registry.all_patches()["deepspeed/zero3-module-id"]
+    for module in patch.modules:
+        path = tmp_path.joinpath(*module.split(".")).with_suffix(".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+        for parent in path.parents:
+            if parent == tmp_path:
+                break
+            (parent / "__init__.py").touch()
+    env = clean_env(PYTHONPATH=str(tmp_path))
+    proc = run_python(["-m", "dspatch.apply", "--check", "--strict"], env=env, check=False)
+    if deepspeed_version() is None:
+        assert proc.returncode == 1 and "broken install" in proc.stdout
+        assert "metadata (dist-info) is missing" in proc.stdout

@@ -67,6 +67,49 @@ def test_fingerprint_ignores_formatting_but_not_code():
         ["def f(self, x):", "    y = x.ds_id", "    return y"])
 
 
+FORMATTED = [
+    # trailing comment, re-wrapped call, different indentation widths, other quotes, a split string
+    ["def f(self, x):", "    y = g(x.id, 'a b')  # why", "    if y:", "        return y", "    return None"],
+    ["def f(self, x):", "  y = g(", "      x.id,", "      \"a \" 'b'", "  )", "  if y:", "      return y",
+     "  return None"],
+    ["def f(self, x):", "    y = g(x.id, \\", "          'a b')", "    if y:", "     return y", "    return None"],
+]
+
+
+def test_fingerprint_is_blind_to_formatting_and_comments():
+    assert len({gating.fingerprint_lines(lines) for lines in FORMATTED}) == 1
+
+
+@pytest.mark.parametrize("change", [
+    ["def f(self, x):", "    y = g(x.ds_id, 'a b')", "    if y:", "        return y", "    return None"],
+    ["def f(self, x):", "    y = g(x.id, 'a  b')", "    if y:", "        return y", "    return None"],
+    # the same lines with the last statement moved into the block: code, not formatting
+    ["def f(self, x):", "    y = g(x.id, 'a b')", "    if y:", "        return y", "        return None"],
+    ["def f(self, x):", "    y = g(x.id, f'a b')", "    if y:", "        return y", "    return None"],
+])
+def test_fingerprint_sees_every_change_of_code(change):
+    assert gating.fingerprint_lines(change) != gating.fingerprint_lines(FORMATTED[0])
+
+
+def test_fingerprint_of_fstrings_is_their_text():
+    one = ["def f(x):", "    return f'{x!r:>{3}} and {x.id}'  # note"]
+    two = ["def f(x):", "        return f'{x!r:>{3}} and {x.id}'"]
+    assert gating.fingerprint_lines(one) == gating.fingerprint_lines(two)
+    assert gating.code_tokens("\n".join(one) + "\n")[-2] == "sf'{x!r:>{3}} and {x.id}'"
+
+
+def test_empty_and_oversized_selections_are_clear_errors():
+    with pytest.raises(registry.SelectionError, match="names no patch"):
+        registry.selection(environ={"DSPATCH": ",,"})
+    with pytest.raises(registry.SelectionError, match="names no patch"):
+        registry.selection(ids=[], environ={})
+    huge = "x" * 100_000
+    with pytest.raises(registry.SelectionError) as e:
+        registry.selection(environ={"DSPATCH": huge})
+    assert len(str(e.value)) < 600 and "(100000 characters)" in str(e.value)
+    assert registry.selection(environ={"DSPATCH": "1", "DSPATCH_DISABLE": ""})[0]  # empty disable: nothing
+
+
 def test_source_segment_includes_decorators(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("import x\n\nclass A:\n    @x.deco\n    def f(self):\n        return 1\n")

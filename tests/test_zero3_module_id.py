@@ -24,6 +24,34 @@ ALL_OK = {name: "ok" for name in PATCH.scenarios}
 UPSTREAM_FIXED = {**ALL_OK, "own_ds_id_kept": "bug: the model's own ds_id was overwritten with "}
 
 
+# For every target: whether the function deepspeed's class attribute leads to (upstream's own function object)
+# runs patched code, which reads no module `.id`. Appended to the subprocess probes below.
+TARGET_STATE = r'''
+def _attributes(code):
+    import dis
+    found = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "STORE_ATTR", "LOAD_METHOD")}
+    for const in code.co_consts:
+        if hasattr(const, "co_code"):
+            found |= _attributes(const)
+    return found
+
+def target_state():
+    import sys
+    from dspatch import registry
+    from dspatch.rewrite import upstream_function
+    patch = registry.all_patches()["deepspeed/zero3-module-id"]
+    state = {}
+    for t in patch.targets:
+        owner = sys.modules[t.module]
+        *path, name = t.qualname.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn = upstream_function(vars(owner)[name], t, sys.modules[t.module].__file__)
+        state[t.qualname] = "id" not in _attributes(fn.__code__)  # stock reads module.id (and param.ds_id)
+    return state
+'''
+
+
 def upstream_fixed(results):
     return all(results[n].startswith(expected) for n, expected in UPSTREAM_FIXED.items()) and \
         results.keys() == UPSTREAM_FIXED.keys()
@@ -126,9 +154,7 @@ def test_drifted_source_keeps_the_patch_out_and_the_job_running(deepspeed_copy):
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome["applied"] == [] and outcome["results"]["user_id_survives"].startswith("bug:")
     # nothing half-applied: every target is upstream's own function
-    code = ("import deepspeed.runtime.zero.parameter_offload as po, deepspeed.runtime.zero.partitioned_param_coordinator as pc\n"
-            "import wrapt; print(any(isinstance(v, wrapt.FunctionWrapper) or hasattr(v, '__dspatch__') "
-            "for c in (po.DeepSpeedZeRoOffload, pc.PartitionedParameterCoordinator) for v in vars(c).values()))")
+    code = TARGET_STATE + "import deepspeed\nprint(any(target_state().values()))"
     assert run_python(["-c", code], env=clean_env(PYTHONPATH=site, DSPATCH="1")).stdout.strip().endswith("False")
     # --check agrees, and --strict turns drift into a non-zero exit
     check = run_python(["-m", "dspatch.apply", "--check", "--strict"], env=clean_env(PYTHONPATH=site), check=False)
@@ -159,81 +185,79 @@ def test_import_order_revert_and_idempotence():
     """dspatch.apply() after `import deepspeed` patches at once; twice changes nothing; revert restores."""
     if not affected():
         pytest.skip("nothing to apply on a fixed release")
-    code = r'''
-import json, deepspeed, dspatch, wrapt
+    code = TARGET_STATE + r'''
+import json, deepspeed, dspatch
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
 from dspatch.patches.deepspeed import zero3_module_id as p
 from dspatch.spec import BugSeen
-originals = {n: vars(O)[n] for n in vars(O)}
+attributes = {(c, n): v for c in (O, C) for n, v in vars(c).items()}
+codes = {n: f.__code__ for n, f in vars(C).items() if hasattr(f, "__code__")}
 def outcome():
     try:
         p.user_id_survives(); return "ok"
     except BugSeen as e:
         return "bug"
 first = dspatch.apply(["deepspeed/zero3-module-id"])
-wrapped = vars(O)["_register_hooks_recursively"]
+patched_codes = {n: f.__code__ for n, f in vars(C).items() if hasattr(f, "__code__")}
 second = dspatch.apply(["deepspeed/zero3-module-id"])
 report = {"first": first["deepspeed/zero3-module-id"][0], "second": second["deepspeed/zero3-module-id"][0],
-          "same_wrapper": vars(O)["_register_hooks_recursively"] is wrapped,
-          "is_wrapper": isinstance(wrapped, wrapt.FunctionWrapper),
-          # the rebuilt function the guard calls shares upstream's `count=[0]` list, not a fresh one
-          "defaults_shared": wrapped._self_wrapper.__defaults__[0].__defaults__[0] is originals["_register_hooks_recursively"].__defaults__[0],
+          "patched_state": all(target_state().values()),
+          # nothing replaced: every attribute is upstream's own object, the code inside it changed once
+          "same_objects": all(vars(c)[n] is v for (c, n), v in attributes.items()),
+          "applied_once": all(f.__code__ is patched_codes[n] for n, f in vars(C).items() if hasattr(f, "__code__")),
+          # upstream's `count=[0]` default is the function's own, untouched
+          "defaults_kept": vars(O)["_register_hooks_recursively"].__defaults__[0] is attributes[(O, "_register_hooks_recursively")].__defaults__[0],
           "patched": outcome()}
 try:
     dspatch.revert(); report["plain_revert"] = "reverted"
 except RuntimeError as e:  # an engine built under the patch still exists
     report["plain_revert"] = "refused" if "ZeRO-3 engine" in str(e) else str(e)
 report["reverted"] = dspatch.revert(force=True)
-report["restored"] = all(vars(O)[n] is f for n, f in originals.items())
+report["restored"] = all(f.__code__ is codes[n] for n, f in vars(C).items() if hasattr(f, "__code__")) and \
+    not any(target_state().values())
 report["after_revert"] = outcome()
 print(json.dumps(report))
 '''
     report = __import__("json").loads(run_python(["-c", code]).stdout.strip().splitlines()[-1])
-    assert report == {"first": "applied", "second": "applied", "same_wrapper": True, "is_wrapper": True,
-                      "defaults_shared": True, "patched": "ok", "plain_revert": "refused", "reverted": [PID],
-                      "restored": True, "after_revert": "bug"}
+    assert report == {"first": "applied", "second": "applied", "patched_state": True, "same_objects": True,
+                      "applied_once": True, "defaults_kept": True, "patched": "ok", "plain_revert": "refused",
+                      "reverted": [PID], "restored": True, "after_revert": "bug"}
 
 
-def test_rebuilt_functions_keep_upstream_identity():
-    """Names, line numbers and decorators of the rebuilt functions are upstream's (tracebacks stay true)."""
+def test_rebuilt_code_keeps_upstream_identity():
+    """Names, line numbers, files and decorators of the patched functions are upstream's (tracebacks stay
+    true); the code reads `.ds_id` where upstream's read `.id`, and nothing else."""
     if not affected():
         pytest.skip("nothing to apply on a fixed release")
-    code = r'''
-import json, dspatch, deepspeed, inspect
+    code = TARGET_STATE + r'''
+import json, sys, dspatch, deepspeed
+from dspatch import registry
+from dspatch.rewrite import upstream_function
+patch = registry.all_patches()["deepspeed/zero3-module-id"]
+def fn(t):
+    owner = sys.modules[t.module]
+    for part in t.qualname.split(".")[:-1]:
+        owner = getattr(owner, part)
+    return upstream_function(vars(owner)[t.qualname.split(".")[-1]], t, sys.modules[t.module].__file__)
+before = {t.qualname: fn(t).__code__ for t in patch.targets}
 dspatch.apply(["deepspeed/zero3-module-id"], strict=True)
-from dspatch.patches.deepspeed.zero3_module_id import PATCH
-from dspatch.rewrite import _functions_in
-import sys
-import dis
-def names(code):  # attributes read or written, in comprehensions and nested functions too
-    found = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_ATTR", "STORE_ATTR", "LOAD_METHOD")}
-    for const in code.co_consts:
-        if hasattr(const, "co_code"):
-            found |= names(const)
-    return found
-import wrapt, dspatch._runtime as runtime
 rows = []
-for qualname, (original, installed) in runtime._applied["deepspeed/zero3-module-id"].originals().items():
-    name = qualname.split(".")[1]
-    if isinstance(installed, wrapt.FunctionWrapper):  # the guard around the rebuilt function
-        installed = installed._self_wrapper.__defaults__[0]
-    else:
-        assert installed.__dspatch__ == "deepspeed/zero3-module-id"
-    new = [f for f in _functions_in(installed) if f.__code__.co_name == name][0]
-    old = [f for f in _functions_in(original) if f.__code__.co_name == name][0]
-    t = PATCH.targets[[x.qualname for x in PATCH.targets].index(qualname)]
-    chain = lambda f: [(g.__code__.co_name, getattr(g, "_torchdynamo_disable", None)) for g in _functions_in(f)]
-    assert chain(installed) == chain(original), (qualname, chain(installed), chain(original))  # same decorators
-    rows.append([t.qualname, new.__qualname__ == old.__qualname__, new.__code__.co_firstlineno == old.__code__.co_firstlineno,
-                 new.__code__.co_filename == old.__code__.co_filename, new.__module__ == old.__module__,
-                 "ds_id" in names(new.__code__) and "id" not in names(new.__code__) and "id" in names(old.__code__)])
+for t in patch.targets:
+    old, new = before[t.qualname], fn(t).__code__
+    added = _attributes(new) - _attributes(old)
+    removed = _attributes(old) - _attributes(new)
+    rows.append([t.qualname, new.co_name == old.co_name, new.co_firstlineno == old.co_firstlineno,
+                 new.co_filename == old.co_filename, new.co_freevars == old.co_freevars,
+                 sorted(added), sorted(removed)])
 print(json.dumps(rows))
 '''
     rows = __import__("json").loads(run_python(["-c", code]).stdout.strip().splitlines()[-1])
     assert len(rows) == len(PATCH.targets)
     for row in rows:
-        assert row[1:] == [True] * 5, row
+        assert row[1:5] == [True] * 4, row
+        allowed = {"ds_id"} | ({"_ds_id_assigned", "format"} if row[0].endswith("_register_hooks_recursively") else set())
+        assert set(row[5]) <= allowed and row[6] == ["id"], row
 
 
 def test_launcher_forwards_dspatch_to_every_node():
@@ -246,7 +270,7 @@ def test_a_patch_that_fails_part_way_is_rolled_back_whole():
     """An exception after some targets are wrapped leaves every target upstream's own; strict raises."""
     if not affected():
         pytest.skip("nothing to apply on a fixed release")
-    code = r'''
+    code = TARGET_STATE + r'''
 import json, sys, deepspeed, wrapt, dspatch
 from dspatch import rewrite
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O
@@ -259,8 +283,7 @@ def flaky(target, transform, original):  # dspatch's own step fails on the 5th o
     return real(target, transform, original)
 rewrite.rebuild = flaky
 result = dspatch.apply(["deepspeed/zero3-module-id"])
-wrapped = [n for c in (O, C) for n, v in vars(c).items()
-           if isinstance(v, wrapt.FunctionWrapper) or hasattr(v, "__dspatch__")]
+wrapped = [n for n, patched in target_state().items() if patched]
 calls.clear(); dspatch.revert(force=True)
 try:
     dspatch.apply(["deepspeed/zero3-module-id"], strict=True); strict = "no error"
@@ -292,36 +315,39 @@ def test_late_apply_after_an_engine_exists_is_refused_whole():
     """Applying after deepspeed.initialize would make that engine read `.ds_id` it never got: refused."""
     if not affected():
         pytest.skip("nothing to apply on a fixed release")
-    code = ("import dspatch, wrapt\n"
-            "from dspatch.patches.deepspeed import zero3_module_id as p\n"
-            "from dspatch.spec import BugSeen\n"
-            "try:\n    p.user_id_survives()\nexcept BugSeen:\n    pass\n"
-            "verdict = dspatch.apply(['deepspeed/zero3-module-id'])['deepspeed/zero3-module-id']\n"
-            "from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O\n"
-            "print(verdict[0], any(isinstance(v, wrapt.FunctionWrapper) or hasattr(v, '__dspatch__') "
-            "for v in vars(O).values()))")
+    code = TARGET_STATE + (
+        "import dspatch\n"
+        "from dspatch.patches.deepspeed import zero3_module_id as p\n"
+        "from dspatch.spec import BugSeen\n"
+        "try:\n    p.user_id_survives()\nexcept BugSeen:\n    pass\n"
+        "verdict = dspatch.apply(['deepspeed/zero3-module-id'])['deepspeed/zero3-module-id']\n"
+        "print(verdict[0], any(target_state().values()), dspatch.check()[0]['verdict'])")
     proc = run_python(["-c", code])
-    assert proc.stdout.strip().splitlines()[-1] == "failed False"
+    assert proc.stdout.strip().splitlines()[-1] == "failed False failed"
     assert "ZeRO-3 engine(s) exist in this process" in proc.stderr
 
 
 def test_reloading_a_patched_module_patches_it_again():
+    """importlib.reload re-creates a module's classes: the new ones are patched too (once, whole), and the old
+    ones, which other modules still hold, stay patched, so both numberings never mix."""
     if not affected():
         pytest.skip("nothing to apply on a fixed release")
-    code = ("import importlib, wrapt, deepspeed, dspatch._runtime as r\n"
-            "import deepspeed.runtime.zero.partitioned_param_coordinator as pc\n"
-            "from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O\n"
-            "first = vars(O)['_register_hooks_recursively']\n"
-            "importlib.reload(pc)\n"
-            "again = vars(O)['_register_hooks_recursively']\n"
-            "print(getattr(vars(pc.PartitionedParameterCoordinator)['reset_step'], '__dspatch__', None) == "
-            "'deepspeed/zero3-module-id', "
-            "again is not first and not isinstance(again.__wrapped__, wrapt.FunctionWrapper), r.applied_ids())\n"
-            "from dspatch.patches.deepspeed.zero3_module_id import expert_ids_through_training\n"
-            "print(expert_ids_through_training())  # other modules still hold the old classes: both patched\n")
-    lines = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.splitlines()
-    assert f"True True ['{PID}']" in lines  # re-applied whole, never a wrapper around a wrapper
-    assert lines[-1] == "([0, 1, 2, 3], [0, 1, 2, 3])"
+    code = TARGET_STATE + (
+        "import importlib, deepspeed, dspatch._runtime as r\n"
+        "import deepspeed.runtime.zero.partitioned_param_coordinator as pc\n"
+        "import deepspeed.runtime.zero.parameter_offload as po\n"
+        "old = pc.PartitionedParameterCoordinator\n"
+        "importlib.reload(pc)\n"
+        "print('R', old is not pc.PartitionedParameterCoordinator, all(target_state().values()), "
+        "'id' not in _attributes(vars(old)['fetch_sub_module'].__code__), r.applied_ids())\n"
+        "from dspatch.patches.deepspeed.zero3_module_id import expert_ids_through_training\n"
+        "print('R', expert_ids_through_training())  # parameter_offload still holds the old class\n"
+        "importlib.reload(po)  # and the other module\n"
+        "print('R', all(target_state().values()), expert_ids_through_training())\n")
+    lines = [line[2:] for line in run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.splitlines()
+             if line.startswith("R ")]
+    assert lines == [f"True True True ['{PID}']", "([0, 1, 2, 3], [0, 1, 2, 3])",
+                     "True ([0, 1, 2, 3], [0, 1, 2, 3])"]
 
 
 COPY_AND_REINIT = r'''

@@ -18,60 +18,75 @@ REGISTER = "DeepSpeedZeRoOffload._register_hooks_recursively"
 # Every function that reads or writes a module's `.id`, and the fingerprint of its source in the releases
 # it was written for (tests/test_gating_releases.py recomputes them from every release).
 FINGERPRINTS = {
-    (OFFLOAD, REGISTER): {"68f7c2b8868a5b97": "0.14.0-0.15.4", "d8d51369b02ab12d": "0.16.0-0.16.3"},
+    (OFFLOAD, REGISTER): {"beb1744112358e8d": "0.14.0-0.15.4", "90264bf624e8b96e": "0.16.0-0.16.3"},
     (OFFLOAD, "DeepSpeedZeRoOffload.post_sub_module_forward_function"): {
-        "211210429c05b1ad": "0.14.0-0.15.3", "1c17835fc61a93ab": "0.15.4-0.16.3"},
+        "7afccceb166e3708": "0.14.0-0.15.3", "d7a3471a831c5bc1": "0.15.4-0.16.3"},
     (OFFLOAD, "DeepSpeedZeRoOffload.post_sub_module_backward_function"): {
-        "ab52797d3cb42a2a": "0.14.0-0.15.3", "e8e198876356edf1": "0.15.4-0.16.3"},
-    (COORDINATOR, "PartitionedParameterCoordinator.trace_prologue"): {"6872f1825ac1c09d": "0.14.0-0.16.3"},
+        "483a804f440db6c9": "0.14.0-0.15.3", "0bcda9923f6b7887": "0.15.4-0.16.3"},
+    (COORDINATOR, "PartitionedParameterCoordinator.trace_prologue"): {"671af8104787b723": "0.14.0-0.16.3"},
     (COORDINATOR, "PartitionedParameterCoordinator.record_module"): {
-        "e43da651c20c8f8e": "0.14.0-0.15.3", "22206c3baab48e1b": "0.15.4-0.16.3"},
+        "c61b4bbec50b6d40": "0.14.0-0.15.3", "000319a6f2e828d9": "0.15.4-0.16.3"},
     (COORDINATOR, "PartitionedParameterCoordinator.record_parameters"): {
-        "2ec0d8fcc00c06e4": "0.14.0-0.15.3", "106bb69e71bf8c95": "0.15.4-0.16.3"},
+        "c812c79e33525a21": "0.14.0-0.15.3", "0e10b10459e8f2f4": "0.15.4-0.16.3"},
     (COORDINATOR, "PartitionedParameterCoordinator.reset_step"): {
-        "983f7642ae5cea4b": "0.14.0-0.15.2", "ed1086c563cde9d9": "0.15.3", "c7b109de769aebee": "0.15.4",
-        "e0600b3927cdc8f3": "0.16.0-0.16.3"},
+        "d23e10b499db8425": "0.14.0-0.15.2", "9ba045b30387dcb7": "0.15.3", "133925eb217f44bb": "0.15.4",
+        "e5ccd7f4395a8d86": "0.16.0-0.16.3"},
     (COORDINATOR, "PartitionedParameterCoordinator.fetch_sub_module"): {
-        "27dbc2287ba434ca": "0.14.0-0.16.2", "a230748ead4cb6e6": "0.16.3"},
+        "ad5f05952de07385": "0.14.0-0.16.2", "9dac46dfd5c9c2fb": "0.16.3"},
     (COORDINATOR, "PartitionedParameterCoordinator.release_sub_module"): {
-        "830c11c724ff0ba7": "0.14.0-0.16.2", "b1713fcbe5f8dc43": "0.16.3"},
+        "ed37e634a8658c6f": "0.14.0-0.16.2", "ecfd1cdcdc0a6544": "0.16.3"},
 }
 
-def refuse_foreign_ds_id(module):
-    """(c) A `ds_id` that DeepSpeed did not assign belongs to the user: refuse rather than overwrite it.
 
-    DeepSpeed's own assignment is remembered on the module (`_ds_id_assigned`), so re-registration
-    (unwrap_model_for_generation, a deepcopy or a pickle of a ZeRO-3 model) is recognised as DeepSpeed's."""
-    if hasattr(module, "ds_id"):
-        own, assigned = module.ds_id, getattr(module, "_ds_id_assigned", None)
-        if not (type(own) is int and own == assigned):
-            raise ValueError(
-                f"{type(module).__name__} already has an attribute ds_id={own!r} that DeepSpeed did not set. "
-                f"ZeRO-3 numbers modules with `ds_id` (upstream since deepspeed 0.16.4; dspatch "
-                f"deepspeed/zero3-module-id backports it) and would overwrite yours: rename that attribute.")
+REFUSAL = ("{kind} already has an attribute ds_id={value!r} that DeepSpeed did not set. ZeRO-3 numbers modules "
+           "with `ds_id` (upstream since deepspeed 0.16.4; dspatch deepspeed/zero3-module-id backports it) and "
+           "would overwrite yours: rename that attribute.")
+
+
+def _guard_ds_id(definition):
+    """(c) Around `module.ds_id = my_count` in the registration (after the rename), refuse a `ds_id` that
+    DeepSpeed did not assign, and remember DeepSpeed's own on the module (`_ds_id_assigned`), so that
+    re-registration (unwrap_model_for_generation, a deepcopy or a pickle of a ZeRO-3 model) is recognised.
+    Written into the rebuilt function itself: builtins only, no wrapper, no name added to deepspeed."""
+    import ast
+
+    from dspatch.rewrite import RewriteError
+
+    sites = [(body, i) for node in ast.walk(definition) for field in ("body", "orelse") if
+             isinstance(getattr(node, field, None), list) for body in [getattr(node, field)]
+             for i, stmt in enumerate(body) if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+             and isinstance(stmt.targets[0], ast.Attribute) and stmt.targets[0].attr == "ds_id"]
+    if len(sites) != 1:
+        raise RewriteError(f"{definition.name}: expected one `module.ds_id = ...`, found {len(sites)}")
+    body, i = sites[0]
+    assign = body[i]
+    m = ast.unparse(assign.targets[0].value)
+    guard = ast.parse(
+        f"if hasattr({m}, 'ds_id') and not (type({m}.ds_id) is int and "
+        f"{m}.ds_id == getattr({m}, '_ds_id_assigned', None)):\n"
+        f"    raise ValueError({REFUSAL!r}.format(kind=type({m}).__name__, value={m}.ds_id))\n").body[0]
+    remember = ast.parse(f"{m}._ds_id_assigned = {m}.ds_id").body[0]
+    for node in (guard, remember):  # tracebacks point at upstream's assignment line
+        for sub in ast.walk(node):
+            if "lineno" in sub._attributes:
+                ast.copy_location(sub, assign)
+    body[i:i + 1] = [guard, assign, remember]
+
+
+def to_ds_id(definition):
+    from dspatch.rewrite import rename_attribute
+
+    rename_attribute("id", "ds_id")(definition)
+    if definition.name == REGISTER.rsplit(".", 1)[-1]:
+        _guard_ds_id(definition)
 
 
 def apply(txn):
-    from dspatch.rewrite import rebuild, rename_attribute
-
-    to_ds_id = rename_attribute("id", "ds_id")
+    # Each target's own function object gets code rebuilt from the installed source with the rename (and,
+    # in the registration, the guard). Nothing is replaced: upstream's decorators and anyone else's wrapper
+    # around these functions keep calling them, and the per-step hot path runs exactly upstream's code.
     for target in txn.patch.targets:
-        owner, name, original = txn.resolve(target)
-        fixed = rebuild(target, to_ds_id, original)
-        if target.qualname != REGISTER:
-            txn.replace(target, fixed)  # per-step hot path: the rebuilt function itself, no wrapper
-            continue
-
-        def register(wrapped, instance, args, kwargs, fixed=fixed):  # once per module, at initialize
-            module = args[0] if args else kwargs["module"]
-            refuse_foreign_ds_id(module)
-            try:
-                return fixed(instance, *args, **kwargs)
-            finally:  # even if a child refuses: this module's ds_id is DeepSpeed's now
-                if hasattr(module, "ds_id"):
-                    module._ds_id_assigned = module.ds_id
-
-        txn.wrap(target, register)
+        txn.recode(target, to_ds_id)
 
 
 def zero3_engines_alive():
@@ -83,8 +98,10 @@ def zero3_engines_alive():
     offload = sys.modules.get(OFFLOAD)
     if offload is None:
         return None
-    gc.collect()
-    alive = sum(isinstance(o, offload.DeepSpeedZeRoOffload) for o in gc.get_objects())
+    # type() only: isinstance() would read `__class__`, a property on some objects (torch's reduce_op warns);
+    # no gc.collect() either, which would run unrelated finalizers. Unreachable engines count: conservative.
+    cls = offload.DeepSpeedZeRoOffload
+    alive = sum(1 for o in gc.get_objects() if issubclass(type(o), cls))
     if alive:
         return (f"{alive} ZeRO-3 engine(s) exist in this process, numbered the other way; apply dspatch before "
                 f"the first deepspeed.initialize (DSPATCH=1, or dspatch.apply() first)")
@@ -216,4 +233,7 @@ PATCH = Patch(
     expected_on_stock=("user_id_survives", "placement_during_training"),
     in_use=zero3_engines_alive,
     fixed_marker=(OFFLOAD, "DeepSpeedZeRoOffload._register_deepspeed_module"),  # PR 6847's new name
+    note=("the nine functions keep their objects, names and line numbers but run code rebuilt from the installed "
+          "file with `.id` read as `.ds_id`: inspect.getsource and debuggers show that file (`.id`), the code "
+          "that runs uses `.ds_id`"),
 )
