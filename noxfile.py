@@ -4,6 +4,7 @@
     nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
+import json
 import os
 
 import nox
@@ -15,7 +16,8 @@ nox.options.error_on_missing_interpreters = True
 # package can pull a CUDA build of torch afterwards.
 TORCH = "torch==2.13.0"
 STACKS = {
-    "old": ["deepspeed==0.14.4", "transformers==4.44.2", "accelerate==0.34.2", "trl==0.11.4", "rich"],
+    # rich: trl 0.11 forgets it; msgpack, einops: the released sources of later deepspeed bands run on this stack too
+    "old": ["deepspeed==0.14.4", "transformers==4.44.2", "accelerate==0.34.2", "trl==0.11.4", "rich", "msgpack", "einops"],
     "mid": ["deepspeed==0.16.3", "transformers==4.57.6", "accelerate==1.10.1", "trl==1.12.0"],
     "latest": ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0"],
 }
@@ -42,7 +44,7 @@ def stack_session(name):
     def run(session):
         install_stack(session, name)
         session.run("pytest", "-m", "not unit_only", *session.posargs,
-                    env={**TEST_ENV, "DSPATCH_TEST_STACK": name})
+                    env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS)})
 
     run.__doc__ = f"Every patch proven against real {', '.join(STACKS[name])} (torch 2.13 CPU)."
     return run

@@ -40,7 +40,8 @@ def _verify(patch):
         except (IndexError, ValueError, KeyError):
             outcome[mode] = {"run": f"error: exit {proc.returncode}: {proc.stderr.strip()[-500:]}"}
     stock, patched = outcome["stock"], outcome["patched"]
-    reproduced = [n for n in patch.expected_on_stock if stock.get(n, "").startswith("bug")]
+    reproduced = [n for n, fragment in patch.expected_on_stock.items()
+                  if stock.get(n, "").startswith("bug:") and fragment in stock[n]]
     fixed = [n for n, r in patched.items() if r == "ok"]
     ok = len(fixed) == len(patched) and bool(patched)
     summary = (f"stock reproduces {len(reproduced)}/{len(patch.expected_on_stock)}, "

@@ -30,6 +30,9 @@ class Patch:
       how a build that is not a plain release (git, dev, local) is recognised as fixed.
     - `requires`: {other distribution: PEP 440 specifier} the bug also needs (torch >= 2.6 for a torch.load
       default, say); outside it the verdict is "not affected" and says which version was seen.
+    - `renamed`: for a rename-style fix, the attribute renamed, and {"path:function": why} for functions of
+      the package that read or write an attribute of that name which is not the renamed one (tests check,
+      over every affected release's source, that no other function touches it).
     - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the
       installed file while the code that runs was rebuilt from it.
     - `in_use()`: optional; a reason why applying now (after its targets were imported and used) or reverting
@@ -37,8 +40,8 @@ class Patch:
     """
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
-                 diffs=None, scenarios=None, expected_on_stock=(), in_use=None, fixed_marker=None, note="",
-                 requires=None):
+                 diffs=None, scenarios=None, expected_on_stock=None, in_use=None, fixed_marker=None, note="",
+                 requires=None, renamed=None):
         self.id = id
         self.summary = summary
         self.distribution = distribution
@@ -50,12 +53,15 @@ class Patch:
         self.links = tuple(links)
         self.diffs = dict(diffs or {})
         self.scenarios = dict(scenarios or {})
-        # scenarios that must show the bug on stock upstream (the proof that the patch is needed)
-        self.expected_on_stock = tuple(expected_on_stock)
+        # {scenario: fragment of its BugSeen message} that stock upstream must show (the proof that the patch
+        # is needed); only that failure counts as the bug
+        expected = expected_on_stock or {}
+        self.expected_on_stock = dict(expected) if isinstance(expected, dict) else dict.fromkeys(expected, "")
         self.in_use = in_use
         self.fixed_marker = fixed_marker
         self.note = note
         self.requires = dict(requires or {})
+        self.renamed = renamed
 
     @property
     def modules(self):

@@ -82,3 +82,54 @@ def test_diff_bands_cover_exactly_the_affected_releases():
     affected = [v for v in RELEASES if Version(v) <= Version("0.16.3")]
     for version in affected:
         assert sum(SpecifierSet(b).contains(version) for b in PATCH.diffs) == 1, version
+
+
+def _functions_touching(tree, attribute, prefix=""):
+    """{qualname} of the functions (innermost def) whose code reads or writes `.<attribute>`."""
+    import ast
+
+    found = set()
+
+    def visit(node, names):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, names + [child.name])
+            else:
+                if isinstance(child, ast.Attribute) and child.attr == attribute:
+                    found.add(".".join(names))
+                visit(child, names)
+
+    visit(tree, [])
+    return found
+
+
+@pytest.mark.parametrize("pid", [pid for pid, p in registry.all_patches().items() if p.renamed])
+def test_a_rename_covers_every_function_that_touches_the_attribute(pid, tmp_path):
+    """Over the whole package of every affected release: no function outside the targets reads or writes the
+    renamed attribute (except those declared unrelated, each with its reason)."""
+    import ast
+    import tarfile
+
+    from upstream_releases import sdist
+
+    patch = registry.all_patches()[pid]
+    attribute, exempt = patch.renamed
+    top = patch.modules[0].split(".")[0]
+    targets = {f"{t.module.replace('.', '/')}.py:{t.qualname}" for t in patch.targets}
+    for version in sdist_versions(patch.distribution, "0.0", "999"):
+        if not SpecifierSet(patch.affected).contains(version) or not (
+                not patch.supported or SpecifierSet(patch.supported).contains(version)):
+            continue
+        touching = set()
+        with tarfile.open(sdist(patch.distribution, version)) as tar:
+            for member in tar.getmembers():
+                relative = member.name.split("/", 1)[-1]
+                if not (member.isfile() and relative.startswith(top + "/") and relative.endswith(".py")):
+                    continue
+                with tar.extractfile(member) as f:
+                    try:
+                        tree = ast.parse(f.read())
+                    except SyntaxError:
+                        continue
+                touching |= {f"{relative}:{q}" for q in _functions_touching(tree, attribute)}
+        assert touching - set(exempt) == targets, (version, sorted(touching ^ (targets | set(exempt))))

@@ -189,10 +189,44 @@ def placement_during_training():
             stuck = [n for n, p in model.named_parameters() if getattr(p, "ds_active_sub_modules", None)]
             if stuck:
                 raise BugSeen(f"parameters still marked in use after a step: {stuck}")
-    except (IndexError, KeyError, RuntimeError, AssertionError) as e:
-        if isinstance(e, BugSeen):
+    except IndexError as e:
+        if "pop from an empty deque" not in str(e):  # only the bug's own failure counts as the bug
             raise
-        raise BugSeen(f"ZeRO-3 bookkeeping broke: {type(e).__name__}: {e}") from e
+        raise BugSeen(f"ZeRO-3 prefetch bookkeeping broke: IndexError: {e}") from e
+
+
+def module_order_changes():
+    """(d) A step that skips a layer (as routing does) makes ZeRO-3 invalidate the module order it recorded,
+    a path that reads the modules' numbers: training goes on and the experts keep their own ids."""
+    import torch
+
+    from dspatch.scenario import init_deepspeed, zero3_config
+
+    deepspeed = init_deepspeed()
+    model = _moe_model()
+    model.router = torch.nn.Linear(16, 16)  # skipped at one step: no id of the user's
+    skip = []
+
+    def forward(x):
+        h = model.inp(x)
+        if not skip:
+            h = model.router(h)
+        for expert in model.experts:
+            h = h + expert(h)
+        return model.out(h).pow(2).mean()
+
+    model.forward = forward
+    before = [e.id for e in model.experts]
+    # no prefetching: a prefetched layer that is then skipped stays in flight (an upstream limitation of its
+    # own, on stock and patched code alike); the order is still recorded, checked and invalidated
+    config = zero3_config(stage3_prefetch_bucket_size=0)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    for step in range(5):
+        skip[:] = [True] if step == 3 else []
+        _train(engine, 1)
+    after = [e.id for e in model.experts]
+    if after != before:
+        raise BugSeen(f"expert ids {before} became {after} under ZeRO-3")
 
 
 def own_ds_id_kept():
@@ -229,10 +263,16 @@ PATCH = Patch(
            ">=0.16.0,<=0.16.2": "deepspeed/0001-zero3-module-id-to-ds_id-0.16.0-0.16.2.patch",
            "==0.16.3": "deepspeed/0001-zero3-module-id-to-ds_id-0.16.3.patch"},
     scenarios={"user_id_survives": user_id_survives, "placement_during_training": placement_during_training,
-               "own_ds_id_kept": own_ds_id_kept},
-    expected_on_stock=("user_id_survives", "placement_during_training"),
+               "module_order_changes": module_order_changes, "own_ds_id_kept": own_ds_id_kept},
+    # what stock releases show, exactly: anything else is an error, not a reproduction
+    expected_on_stock={"user_id_survives": "expert ids [0, 1, 2, 3] became",
+                       "placement_during_training": "IndexError: pop from an empty deque",
+                       "module_order_changes": "expert ids [0, 1, 2, 3] became"},
     in_use=zero3_engines_alive,
     fixed_marker=(OFFLOAD, "DeepSpeedZeRoOffload._register_deepspeed_module"),  # PR 6847's new name
+    # every function of deepspeed that touches an attribute `.id`, in every release 0.14.0-0.16.3, is a target,
+    # except this one, which upstream's own fix (0.16.4) left alone too
+    renamed=("id", {"deepspeed/utils/debug.py:debug_module2name_id": "dead code: nothing calls it"}),
     note=("the nine functions keep their objects, names and line numbers but run code rebuilt from the installed "
           "file with `.id` read as `.ds_id`: inspect.getsource and debuggers show that file (`.id`), the code "
           "that runs uses `.ds_id`"),

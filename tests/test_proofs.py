@@ -1,0 +1,151 @@
+"""The proofs every patch owes, run for every patch in the registry that applies to this stack's releases:
+
+- stock failures are pinned: each reproducer listed in `expected_on_stock` fails on stock with exactly the
+  failure declared there (BugSeen carrying that fragment), not with any error;
+- every target is necessary: with the patch applied less any one target, at least one reproducer fails;
+- every target's drift is caught: change any one target's source in a copy of the installed package, and
+  the running process reports that target "drifted" and changes nothing.
+
+A patch that does not apply to this stack (fixed upstream, not affected) is covered by its own tests.
+"""
+import json
+import os
+import shutil
+
+import pytest
+
+from dspatch import gating, registry
+
+from conftest import clean_env, run_python, verify
+
+pytestmark = pytest.mark.stack
+
+APPLICABLE = [pid for pid, patch in registry.all_patches().items() if gating.evaluate(patch)[1] == gating.APPLIES]
+
+
+def _ids(values):
+    return values or ["none-applies-here"]
+
+
+@pytest.mark.parametrize("pid", _ids(APPLICABLE))
+def test_stock_fails_exactly_as_declared(pid):
+    if pid == "none-applies-here":
+        pytest.skip("no patch applies to this stack")
+    patch = registry.all_patches()[pid]
+    results = verify(pid, clean_env())["results"]
+    for name, fragment in patch.expected_on_stock.items():
+        assert results[name].startswith("bug:") and fragment in results[name], \
+            f"stock upstream no longer shows {pid}'s {name} as declared ({fragment!r}): {results[name]}"
+
+
+@pytest.mark.parametrize("pid", _ids(APPLICABLE))
+def test_every_target_is_necessary(pid):
+    if pid == "none-applies-here":
+        pytest.skip("no patch applies to this stack")
+    patch = registry.all_patches()[pid]
+    out = run_python(["-m", "dspatch.verify", pid, "--leave-out-each"]).stdout.strip().splitlines()[-1]
+    left_out = json.loads(out)["left_out"]
+    assert set(left_out) == {t.qualname for t in patch.targets}
+    for target, results in left_out.items():  # applied less that target, and every scenario ran
+        assert set(results) == set(patch.scenarios), (target, results)
+    unneeded = [target for target, results in left_out.items() if all(r == "ok" for r in results.values())]
+    assert not unneeded, f"{pid}: leaving out {unneeded} fails no reproducer (a target nothing proves, or a " \
+                         f"reproducer missing): {left_out}"
+
+
+DRIFT_EACH = r'''
+import importlib, json, os, sys
+import dspatch
+from dspatch import gating, registry
+patch = registry.all_patches()[sys.argv[1]]
+for module in patch.modules:
+    importlib.import_module(module)
+assert all(sys.modules[m].__file__.startswith(sys.argv[2]) for m in patch.modules), "not the copy"
+report = {}
+for target in patch.targets:
+    path = sys.modules[target.module].__file__
+    original = open(path).read()
+    node = gating.definition(path, target.qualname)
+    first = node.body[0]
+    lines = original.split("\n")
+    indent = lines[first.lineno - 1][:first.col_offset]
+    lines.insert(first.lineno - 1, indent + "_local_change = None  # a fork's one-line change")
+    open(path, "w").write("\n".join(lines))
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    try:
+        verdict, reason = dspatch.apply([patch.id])[patch.id]
+        report[target.qualname] = [verdict, str(target) in reason, dspatch._runtime.applied_ids()]
+    finally:
+        open(path, "w").write(original)
+        os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 2 * 10**9))
+report["unchanged copy"] = list(dspatch.apply([patch.id])[patch.id][:1]) + [dspatch._runtime.applied_ids()]
+print("R " + json.dumps(report))
+'''
+
+
+@pytest.mark.parametrize("pid", _ids(APPLICABLE))
+def test_every_targets_drift_is_caught_in_the_running_process(pid, tmp_path):
+    if pid == "none-applies-here":
+        pytest.skip("no patch applies to this stack")
+    patch = registry.all_patches()[pid]
+    top = patch.modules[0].split(".")[0]
+    source = os.path.dirname(gating.module_file(top))
+    shutil.copytree(source, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
+    proc = run_python(["-c", DRIFT_EACH, pid, str(tmp_path / top)], env=clean_env(PYTHONPATH=str(tmp_path)))
+    report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
+    for target in patch.targets:
+        assert report[target.qualname] == [gating.DRIFTED, True, []], (target, report[target.qualname])
+    assert report["unchanged copy"] == [gating.APPLIED, [pid]]
+
+
+def _matrix_versions(distribution):
+    """Versions of `distribution` some stack of the matrix installs (noxfile passes DSPATCH_MATRIX)."""
+    stacks = json.loads(os.environ.get("DSPATCH_MATRIX", "{}"))
+    return {pin.split("==")[1] for pins in stacks.values() for pin in pins if pin.startswith(distribution + "==")}
+
+
+def _bands_no_stack_runs():
+    """(pid, band, newest release of the band) for diff bands that no stack of the matrix installs: their
+    diffs are run here, on the released source of that band, with the rest of the old stack."""
+    from packaging.specifiers import SpecifierSet
+
+    from upstream_releases import sdist_versions
+
+    found = []
+    for pid in APPLICABLE:
+        patch = registry.all_patches()[pid]
+        covered = _matrix_versions(patch.distribution)
+        for band in patch.diffs:
+            releases = [v for v in sdist_versions(patch.distribution, "0.0", "999") if SpecifierSet(band).contains(v)]
+            if releases and not any(SpecifierSet(band).contains(v) for v in covered):
+                found.append((pid, band, releases[-1]))
+    return found
+
+
+BANDS = _bands_no_stack_runs() if os.environ.get("DSPATCH_TEST_STACK") == "old" else []
+
+
+@pytest.mark.parametrize("pid, band, version", BANDS or [("none", "", "")])
+def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, version, tmp_path):
+    """Stock reproduces on that release's own source, and the band's diff applied to it fixes every scenario."""
+    import subprocess
+    import tarfile
+
+    from dspatch import data_dir
+
+    from upstream_releases import sdist
+
+    if pid == "none":
+        pytest.skip("run on the old stack only (the oldest dependencies of the matrix)")
+    patch = registry.all_patches()[pid]
+    top = patch.modules[0].split(".")[0]
+    with tarfile.open(sdist(patch.distribution, version)) as tar:
+        members = [m for m in tar.getmembers() if m.name.split("/", 1)[-1].split("/")[0] == top]
+        tar.extractall(tmp_path, members=members, filter="tar")
+    root = next(tmp_path.iterdir())
+    stock = verify(pid, clean_env(PYTHONPATH=str(root)))
+    for name, fragment in patch.expected_on_stock.items():
+        assert fragment in stock["results"][name], (version, name, stock["results"][name])
+    subprocess.run(["git", "apply", os.path.join(data_dir("upstream_prs"), patch.diffs[band])], cwd=root, check=True)
+    fixed = verify(pid, clean_env(PYTHONPATH=str(root)))
+    assert fixed["applied"] == [] and set(fixed["results"].values()) == {"ok"}, (version, fixed)
