@@ -5,7 +5,8 @@
 1. start-up: `python -c pass` in a fresh venv without dspatch, and in one with the dspatch wheel installed,
    DSPATCH unset and DSPATCH=1 (interleaved runs); plus what DSPATCH=1 imports, from -X importtime.
 2. `python -m dspatch.apply --check` against `python -c "import deepspeed"`.
-3. ZeRO-3 training step time with DSPATCH=1 against stock (bench/zero3_steps.py, alternating runs).
+3. ZeRO-3 training steps with DSPATCH=1 against stock (bench/zero3_steps.py, alternating runs): wall time
+   with a bootstrap interval, and Python opcodes per step (exact); fails when a target is not in force.
 """
 import json
 import os
@@ -78,57 +79,50 @@ def check_vs_import():
           f"{100 * c / i:.1f}% (medians of {runs})")
 
 
+def ratio_interval(stock, patched, draws=2000):
+    """Ratio of medians (patched / stock) and its 95% bootstrap interval over the per-run figures."""
+    import random
+
+    rng = random.Random(0)
+    ratios = sorted(statistics.median(rng.choices(patched, k=len(patched))) /
+                    statistics.median(rng.choices(stock, k=len(stock))) for _ in range(draws))
+    return statistics.median(patched) / statistics.median(stock), ratios[int(0.025 * draws)], ratios[int(0.975 * draws)]
+
+
 def steps():
-    rounds = 2 if QUICK else 6
+    """ZeRO-3 steps, stock against DSPATCH=1: wall time over alternating runs (with the interval that says what
+    this machine can resolve), and Python opcodes per step (deterministic: resolves any difference).
+    Exits 1 when DSPATCH=1 did not put every target of a patch that applies in force."""
+    rounds = 3 if QUICK else 10
     script = os.path.join(ROOT, "bench", "zero3_steps.py")
     results = {"stock": [], "DSPATCH=1": []}
     for _ in range(rounds):  # alternate stock and patched runs
-        for label, e in (("stock", env()), ("DSPATCH=1", env(DSPATCH="1"))):
-            out = subprocess.run([sys.executable, script, "10" if QUICK else "60"], env=e, check=True,
+        for label, e in (("stock", env(PYTHONHASHSEED="0")), ("DSPATCH=1", env(DSPATCH="1", PYTHONHASHSEED="0"))):
+            out = subprocess.run([sys.executable, script, "10" if QUICK else "40"], env=e, check=True,
                                  capture_output=True, text=True, cwd="/").stdout
             results[label].append(json.loads(out.strip().splitlines()[-1]))
     stock = [r["step_s"] for r in results["stock"]]
     patched = [r["step_s"] for r in results["DSPATCH=1"]]
     applied = results["DSPATCH=1"][0]["applied"]
     same = all(r["losses"] == results["stock"][0]["losses"] for r in results["stock"] + results["DSPATCH=1"])
+    ratio, low, high = ratio_interval(stock, patched)
     print(f"\n3. ZeRO-3 training step (tiny Llama, CPU), {rounds} alternating runs each (per-run medians)")
-    print(f"   median: stock {statistics.median(stock) * 1e3:.2f} ms, DSPATCH=1 {statistics.median(patched) * 1e3:.2f} "
-          f"ms: x{statistics.median(patched) / statistics.median(stock):.4f}")
-    print(f"   best:   stock {min(stock) * 1e3:.2f} ms, DSPATCH=1 {min(patched) * 1e3:.2f} ms: "
-          f"x{min(patched) / min(stock):.4f}   (stock against stock varies x{max(stock) / min(stock):.3f} here)")
-    print(f"   applied {applied}; losses bit-identical to stock in every run: {same}")
-    # The machine's noise is larger than 1%, so also measure what the patch adds, directly: calls through
-    # a wrapt wrapper per step, times the cost of that dispatch per call.
-    calls = results["DSPATCH=1"][0]["wrapped_calls_per_step"]
-    per_call = wrapper_overhead()
-    share = calls * per_call / min(stock)
-    print(f"   added per step: {calls:.0f} calls through a wrapper x {per_call * 1e9:.0f} ns = "
-          f"{calls * per_call * 1e6:.1f} us, {100 * share:.3f}% of a stock step (rebuilt functions add nothing)")
+    print(f"   wall: stock {statistics.median(stock) * 1e3:.2f} ms, DSPATCH=1 {statistics.median(patched) * 1e3:.2f} ms: "
+          f"x{ratio:.4f}, 95% interval x{low:.3f} to x{high:.3f} (what this machine resolves)")
+    ops_stock = [r["opcodes_per_step"] for r in results["stock"]]
+    ops_patched = [r["opcodes_per_step"] for r in results["DSPATCH=1"]]
+    o_s, o_p = statistics.median(ops_stock), statistics.median(ops_patched)
+    print(f"   Python opcodes per step: stock {o_s:.0f} ({min(ops_stock):.0f}-{max(ops_stock):.0f}), DSPATCH=1 "
+          f"{o_p:.0f} ({min(ops_patched):.0f}-{max(ops_patched):.0f}): x{o_p / o_s:.6f}; stock against stock "
+          f"differs by up to {(max(ops_stock) - min(ops_stock)) / o_s * 100:.4f}%")
+    print(f"   applied {applied} (changes in force / targets); losses bit-identical to stock in every run: {same}")
+    from dspatch import gating, registry
 
-
-def wrapper_overhead():
-    """Seconds a call through wrapt.FunctionWrapper plus the forwarding wrapper adds over a direct call."""
-    import timeit
-
-    import wrapt
-
-    class Box:
-        def method(self, x):
-            return x
-
-    plain = Box.method
-
-    def forward(wrapped, instance, args, kwargs, fixed=plain):
-        return fixed(instance, *args, **kwargs)
-
-    class Wrapped:
-        method = wrapt.FunctionWrapper(plain, forward)
-
-    a, b = Box(), Wrapped()
-    n = 200_000
-    direct = min(timeit.repeat(lambda: a.method(1), number=n, repeat=5)) / n
-    wrapped = min(timeit.repeat(lambda: b.method(1), number=n, repeat=5)) / n
-    return wrapped - direct
+    expected = [pid for pid, patch in registry.all_patches().items() if gating.evaluate(patch)[1] == gating.APPLIES]
+    missed = [pid for pid in expected if applied.get(pid, [0, 1])[0] != applied.get(pid, [0, 1])[1]]
+    if missed or not same:
+        print(f"   FAILED: not every target in force for {missed}" if missed else "   FAILED: losses differ")
+        sys.exit(1)
 
 
 if __name__ == "__main__":
