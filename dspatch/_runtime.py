@@ -36,6 +36,17 @@ def _report(key, message):
         _say(message)
 
 
+_unsaid = []  # patches applied since the last summary line
+
+
+def _flush_applied(just_loaded=None):
+    """One line for the patches applied during one top-level import (`import deepspeed` applies several)."""
+    top = (just_loaded or "").partition(".")[0]
+    if _unsaid and (not just_loaded or _module_ready(top, just_loaded)):
+        _say("applied " + ", ".join(_unsaid))
+        _unsaid.clear()
+
+
 def state_of(pid):
     with _lock:
         if _active:
@@ -69,6 +80,7 @@ def module_loaded(name):
             _requeue_if_reloaded(name)
             _apply_ready(name)
         _catch_up(just_loaded=name)
+        _flush_applied(name)
         if name == LAUNCHER:
             forward_to_nodes()
         if _strict:
@@ -139,6 +151,7 @@ def activate(ids, strict, just_loaded=None):
                 _outcome.pop(pid, None)
                 _pending[pid] = patches[pid]
         _apply_ready(None, late=just_loaded is None, just_loaded=just_loaded)
+        _flush_applied(just_loaded)
         if _module_ready(LAUNCHER, just_loaded):
             forward_to_nodes()
         return {pid: _outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
@@ -202,7 +215,7 @@ def _apply_one(patch, late=False):
     _applied[patch.id] = txn
     _strict_failures.pop(patch.id, None)
     _outcome[patch.id] = (gating.APPLIED, f"applied in this process to {patch.distribution} {version}")
-    _say(f"applied {patch.id} ({patch.distribution} {version})")
+    _unsaid.append(f"{patch.id} ({patch.distribution} {version})")
 
 
 def revert(ids=None, force=False):

@@ -33,6 +33,7 @@ def _verify(patch):
     outcome = {}
     for mode, extra in (("stock", []), ("patched", ["--apply"])):
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSPATCH")}
+        env["DS_ACCELERATOR"] = "cpu"  # the reproducers build CPU tensors
         proc = subprocess.run([sys.executable, "-m", "dspatch.verify", patch.id, *extra], env=env,
                               capture_output=True, text=True)
         try:
@@ -74,6 +75,9 @@ def check(args):
         print(json.dumps(out, indent=2))
         return status
     print(f"dspatch {dspatch.__version__}: {state}")
+    if args.verify:
+        print("  --verify runs each reproducer in a fresh interpreter on the CPU (DS_ACCELERATOR=cpu, gloo), "
+              "whatever accelerator this machine has")
     if shown:
         print("  " + " ".join(f"{k}={v}" for k, v in shown.items()))
     width = max(len(r.patch.id) for r in rows) + 2

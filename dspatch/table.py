@@ -1,7 +1,7 @@
 """The README's patch table, generated from the registry (a test fails when README.md is stale).
 
     python -m dspatch.table            print it
-    python -m dspatch.table --write    rewrite the block between the markers in README.md
+    python -m dspatch.table --write    rewrite the blocks between the markers in README.md (patches, proofs)
 """
 import os
 import sys
@@ -9,6 +9,7 @@ import sys
 from dspatch import registry
 
 START, END = "<!-- patch-table:start -->", "<!-- patch-table:end -->"
+PROOF_START, PROOF_END = "<!-- proof-table:start -->", "<!-- proof-table:end -->"
 
 
 def markdown():
@@ -23,8 +24,30 @@ def markdown():
     return "\n".join(lines)
 
 
+def proofs():
+    """Per patch: its reproducers, what each does, and the exact failure stock must show."""
+    lines = ["| patch | reproducer | what it runs | stock must fail with |", "|---|---|---|---|"]
+    for pid, p in registry.all_patches().items():
+        for name, scenario in p.scenarios.items():
+            doc = " ".join((scenario.__doc__ or "").split()).split(". ")[0].rstrip(".")
+            fragment = p.expected_on_stock.get(name)
+            lines.append(f"| `{pid}` | `{name}` | {doc} | {f'`{fragment}`' if fragment else 'passes on stock too'} |")
+    return "\n".join(lines)
+
+
 def block():
     return f"{START}\n{markdown()}\n{END}"
+
+
+def proof_block():
+    return f"{PROOF_START}\n{proofs()}\n{PROOF_END}"
+
+
+def rewrite(text):
+    for start, end, new in ((START, END, block()), (PROOF_START, PROOF_END, proof_block())):
+        head, rest = text.split(start, 1)
+        text = head + new + rest.split(end, 1)[1]
+    return text
 
 
 def main(argv=None):
@@ -34,9 +57,7 @@ def main(argv=None):
         return 0
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
     text = open(path).read()
-    head, rest = text.split(START, 1)
-    tail = rest.split(END, 1)[1]
-    open(path, "w").write(head + block() + tail)
+    open(path, "w").write(rewrite(text))
     return 0
 
 

@@ -6,4 +6,5 @@ nothing heavy at module level.
 
 MODULES = (
     "deepspeed.zero3_module_id",
+    "deepspeed.engine_module_hint",
 )

@@ -47,12 +47,12 @@ def test_first_target_import_loads_and_applies():
     code = "import deepspeed, dspatch._runtime as r; print(r.state_of('deepspeed/zero3-module-id'))"
     state = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1]
     if Version(deepspeed_version()) <= Version("0.16.3"):
-        assert "wrapt" in loaded and state.startswith("('applied'"), state
+        assert state.startswith("('applied'"), state
     else:
-        assert "wrapt" not in loaded and state.startswith("('fixed upstream'"), state
+        assert state.startswith("('fixed upstream'"), state
     proc = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="1"))
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
-    assert len(said) <= 1, said  # quiet: one line at most
+    assert len(said) == 1 and said[0].startswith("dspatch: applied "), said  # quiet: one line for the import
 
 
 @pytest.mark.stack
@@ -68,7 +68,7 @@ def test_unknown_id_in_dspatch_is_reported_and_the_import_goes_on():
     assert "DSPATCH='deepspeed/nope' is an unknown patch id" in proc.stderr and "deepspeed/zero3-module-id" in proc.stderr
     strict = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="deepspeed/nope", DSPATCH_STRICT="1"),
                         check=False)
-    assert strict.returncode != 0 and "SelectionError" in strict.stderr
+    assert strict.returncode != 0 and "PatchError: dspatch: DSPATCH='deepspeed/nope' is an unknown patch id" in strict.stderr
 
 
 @pytest.mark.stack

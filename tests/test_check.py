@@ -56,9 +56,13 @@ def test_disabled_patch_says_so():
 
 def test_export_writes_the_diffs(tmp_path):
     run_python(["-m", "dspatch.export", "--out", str(tmp_path), "--all"])
-    written = sorted(p.name for p in (tmp_path / "deepspeed").iterdir())
-    assert written and all(name.startswith("0001-zero3-module-id") for name in written)
-    assert "Applied-Upstream: 0.16.4" in (tmp_path / "deepspeed" / written[-1]).read_text()
+    from dspatch import registry
+
+    expected = sorted(path for p in registry.all_patches().values() for path in p.diffs.values())
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.patch"))
+    assert written == expected
+    first = registry.all_patches()["deepspeed/zero3-module-id"].diffs[">=0.14.0,<=0.15.3"]
+    assert "Applied-Upstream: 0.16.4" in (tmp_path / first).read_text()
 
 
 def test_run_a_script_with_dspatch_active(tmp_path):
