@@ -122,8 +122,9 @@ def run_script(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m dspatch.apply", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dspatch.apply", description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--check", action="store_true", help="show every patch's verdict here, and why")
     parser.add_argument("--json", action="store_true", help="with --check: machine-readable output")
     parser.add_argument("--strict", action="store_true", help="with --check: exit 1 if a patch drifted or failed")
@@ -134,10 +135,25 @@ def main(argv=None):
     parser.add_argument("script", nargs="?", help="a Python script to run with dspatch active")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    if args.script and not args.check:
+    if args.script and args.check:
+        parser.error("--check takes no script: run `--check` alone, or a script without it")
+    if args.script and not os.path.isfile(args.script):
+        print(f"dspatch: no such script: {args.script}", file=sys.stderr)
+        return 2
+    if args.script:
         return run_script(args)
-    return check(args)
+    return check(args)  # `--check` is the default: `dspatch` alone shows the verdicts
+
+
+def _main():
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # `--check | head`: end quietly, as other command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _main()

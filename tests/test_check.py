@@ -1,6 +1,8 @@
 """`python -m dspatch.apply --check`: reads, never imports; tells the truth about this environment."""
 import json
 
+import pytest
+
 from dspatch import gating
 
 from conftest import clean_env, deepspeed_version, run_python
@@ -111,3 +113,32 @@ def test_files_without_metadata_are_a_broken_install_not_absent(tmp_path):
     if deepspeed_version() is None:
         assert proc.returncode == 1 and "broken install" in proc.stdout
         assert "metadata (dist-info) is missing" in proc.stdout
+
+
+@pytest.mark.stack
+def test_export_writes_exactly_the_installed_releases_diffs_and_they_apply(tmp_path, deepspeed_copy):
+    """What a new user does: export, then apply to the installed release's source. One diff per patch that
+    applies (its band), each accepted by `git apply --check`; --check-against says so a line each."""
+    import subprocess
+
+    from dspatch import registry
+
+    site, _ = deepspeed_copy
+    out = tmp_path / "prs"
+    proc = run_python(["-m", "dspatch.export", "--out", str(out), "--check-against", site], check=False)
+    rows = {r["id"]: r for r in dspatch_check_rows()}
+    expected = sorted(registry.all_patches()[pid].diff_for(r["version"]) for pid, r in rows.items()
+                      if r["verdict"] == gating.APPLIES and r["distribution"] == "deepspeed")
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*.patch")) if out.exists() else []
+    assert written == expected
+    if not expected:
+        assert proc.returncode == 1 and "no patch applies" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": applies") == len(expected)
+    for relative in written:
+        subprocess.run(["git", "apply", "--check", str(out / relative)], cwd=site, check=True)
+
+
+def dspatch_check_rows():
+    return json.loads(run_python(["-m", "dspatch.apply", "--check", "--json"]).stdout)["patches"]

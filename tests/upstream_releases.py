@@ -2,28 +2,46 @@
 
     python tests/upstream_releases.py deepspeed/zero3-module-id 0.14.0 0.19.8   # fingerprint table
 
-Downloads with the PyPI simple JSON API (checked against its sha256) into DSPATCH_RELEASE_CACHE
-(default ~/.cache/dspatch/releases); nothing is built or executed.
+Downloads from the package index pip is configured to use (PIP_INDEX_URL, pip's config, else pip's own
+default), through its simple JSON API, each file checked against its sha256, into DSPATCH_RELEASE_CACHE
+(default ~/.cache/dspatch/releases); nothing is built or executed. (`pip download` of an sdist would build
+its metadata first: deepspeed's setup.py imports torch and takes a minute per release.)
 """
 import hashlib
 import json
 import os
 import sys
 import tarfile
+import urllib.parse
 import urllib.request
 
-SIMPLE = "https://pypi.org/simple/{}/"
 CACHE = os.environ.get("DSPATCH_RELEASE_CACHE", os.path.expanduser("~/.cache/dspatch/releases"))
 
 
 _indexes = {}
 
 
+def _index_url():
+    """The index pip would use: PIP_INDEX_URL, else `pip config`, else pip's built-in default."""
+    import subprocess
+
+    url = os.environ.get("PIP_INDEX_URL", "").split()
+    if not url:
+        proc = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                              capture_output=True, text=True)
+        url = proc.stdout.split() if proc.returncode == 0 else []
+    if not url:
+        from pip._internal.models.index import PyPI
+
+        url = [PyPI.simple_url]
+    return url[0].rstrip("/") + "/"
+
+
 def _index(project):
     """PyPI's file list for a project: fetched once per run, kept in the cache for runs without a network."""
     if project not in _indexes:
         cached = os.path.join(CACHE, f"{project}-index.json")
-        request = urllib.request.Request(SIMPLE.format(project),
+        request = urllib.request.Request(f"{_index_url()}{project}/",
                                          headers={"Accept": "application/vnd.pypi.simple.v1+json"})
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
@@ -65,7 +83,8 @@ def sdist(project, version):
     if os.path.exists(path):
         return path
     entry = next(f for f in _index(project)["files"] if f["filename"] == name)
-    with urllib.request.urlopen(entry["url"], timeout=300) as response:
+    url = urllib.parse.urljoin(f"{_index_url()}{project}/", entry["url"])  # an index may give relative URLs
+    with urllib.request.urlopen(url, timeout=300) as response:
         data = response.read()
     if hashlib.sha256(data).hexdigest() != entry["hashes"]["sha256"]:
         raise RuntimeError(f"{name}: sha256 mismatch")
