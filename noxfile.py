@@ -1,4 +1,4 @@
-"""Test matrix over real upstream stacks (UPSTREAM.md section 6), plus a torch-free unit session.
+"""Test matrix over real upstream stacks (deepspeed + transformers + accelerate + trl, torch 2.13 CPU), plus a torch-free unit session.
 
     nox                 unit + old + mid + latest (what CI runs)
     nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1

@@ -41,8 +41,10 @@ _unsaid = []  # patches applied since the last summary line
 
 def _flush_applied(just_loaded=None):
     """One line for the patches applied during one top-level import (`import deepspeed` applies several)."""
-    top = (just_loaded or "").partition(".")[0]
-    if _unsaid and (not just_loaded or _module_ready(top, just_loaded)):
+    from dspatch._boot import WATCHED
+
+    busy = any(top in sys.modules and not _module_ready(top, just_loaded) for top in WATCHED)
+    if _unsaid and not busy:  # not while a watched package (deepspeed importing transformers...) is loading
         _say("applied " + ", ".join(_unsaid))
         _unsaid.clear()
 

@@ -1,6 +1,6 @@
 """Helpers for reproducers: run real DeepSpeed in this process, on the CPU unless told otherwise.
 
-The recipe (UPSTREAM.md section 6): DS_ACCELERATOR=cpu, the gloo backend, LOCAL_SIZE set (older ZeRO-3
+The recipe: DS_ACCELERATOR=cpu, the gloo backend, LOCAL_SIZE set (older ZeRO-3
 calls numactl without it), single-process rendezvous variables, and no JIT build of the shm comm op.
 Variables already set (by torchrun, or a GPU user running --verify) are kept.
 """

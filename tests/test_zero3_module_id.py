@@ -52,6 +52,12 @@ def target_state():
 '''
 
 
+def _reported_lines(code):
+    """The lines a probe printed after "R " (deepspeed prints its own config on stdout too), under DSPATCH=PID."""
+    out = run_python(["-c", code], env=clean_env(DSPATCH=PID)).stdout
+    return [line[2:] for line in out.splitlines() if line.startswith("R ")]
+
+
 def upstream_fixed(results):
     return all(results[n].startswith(expected) for n, expected in UPSTREAM_FIXED.items()) and \
         results.keys() == UPSTREAM_FIXED.keys()
@@ -345,8 +351,7 @@ def test_reloading_a_patched_module_patches_it_again():
         "print('R', expert_ids_through_training())  # parameter_offload still holds the old class\n"
         "importlib.reload(po)  # and the other module\n"
         "print('R', all(target_state().values()), expert_ids_through_training())\n")
-    lines = [line[2:] for line in run_python(["-c", code], env=clean_env(DSPATCH=PID)).stdout.splitlines()
-             if line.startswith("R ")]
+    lines = _reported_lines(code)
     assert lines == [f"True True True ['{PID}']", "([0, 1, 2, 3], [0, 1, 2, 3])",
                      "True ([0, 1, 2, 3], [0, 1, 2, 3])"]
 
@@ -409,6 +414,5 @@ def test_a_fresh_import_after_sys_modules_was_purged_is_patched_too():
         "new = sys.modules['deepspeed.runtime.zero.partitioned_param_coordinator'].PartitionedParameterCoordinator\n"
         "print('R', new is not old, all(target_state().values()), r.applied_ids(), first, "
         "expert_ids_through_training())\n")
-    lines = [line[2:] for line in run_python(["-c", code], env=clean_env(DSPATCH=PID)).stdout.splitlines()
-             if line.startswith("R ")]
+    lines = _reported_lines(code)
     assert lines == [f"True True ['{PID}'] ([0, 1, 2, 3], [0, 1, 2, 3]) ([0, 1, 2, 3], [0, 1, 2, 3])"], lines
