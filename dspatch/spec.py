@@ -33,6 +33,8 @@ class Patch:
     - `renamed`: for a rename-style fix, the attribute renamed, and {"path:function": why} for functions of
       the package that read or write an attribute of that name which is not the renamed one (tests check,
       over every affected release's source, that no other function touches it).
+    - `band_check`: the reproducer (cheapest that shows the bug) run on the released source of each diff band
+      no test stack installs; default: the first of `expected_on_stock`.
     - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the
       installed file while the code that runs was rebuilt from it.
     - `in_use()`: optional; a reason why applying now (after its targets were imported and used) or reverting
@@ -41,7 +43,7 @@ class Patch:
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
                  diffs=None, scenarios=None, expected_on_stock=None, in_use=None, fixed_marker=None, note="",
-                 requires=None, renamed=None):
+                 requires=None, renamed=None, band_check=None):
         self.id = id
         self.summary = summary
         self.distribution = distribution
@@ -62,6 +64,7 @@ class Patch:
         self.note = note
         self.requires = dict(requires or {})
         self.renamed = renamed
+        self.band_check = band_check or next(iter(self.expected_on_stock), None)
 
     @property
     def modules(self):

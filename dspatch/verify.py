@@ -8,7 +8,7 @@ Without --apply the process runs whatever the environment gives it (stock code, 
 or an upstream diff applied to a copy on PYTHONPATH); with --apply it calls dspatch.apply(id) first.
 
 --leave-out-each is the proof that every target is necessary: for each target in turn, the patch is
-applied without it, the scenarios run, and the patch is reverted. Prints {"left_out": {target: results}}.
+applied without it, the scenarios run until one fails, and the patch is reverted. Prints {"left_out": {target: results}}.
 """
 import argparse
 import json
@@ -16,13 +16,15 @@ import sys
 import traceback
 
 
-def run_scenarios(patch, only=None):
+def run_scenarios(patch, only=None, until_failure=False):
     from dspatch.spec import BugSeen
 
     results = {}
     for name, scenario in patch.scenarios.items():
         if only and name not in only:
             continue
+        if until_failure and any(r != "ok" for r in results.values()):
+            break
         try:
             scenario()
             results[name] = "ok"
@@ -57,7 +59,8 @@ def leave_out_each(patch):
             if outcome[0] != "applied":
                 results[target.qualname] = {"apply": f"error: {outcome}"}
                 continue
-            results[target.qualname] = run_scenarios(patch)
+            # one failing reproducer proves the target necessary: the rest need not run
+            results[target.qualname] = run_scenarios(patch, until_failure=True)
             dspatch.revert([patch.id], force=True)
     finally:
         for name, method in real.items():

@@ -7,4 +7,5 @@ nothing heavy at module level.
 MODULES = (
     "deepspeed.zero3_module_id",
     "deepspeed.engine_module_hint",
+    "deepspeed.checkpoint_weights_only",
 )

@@ -52,9 +52,16 @@ def last_json(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+_verified = {}
+
+
 def verify(patch_id, env, *extra):
-    """Run a patch's reproducers in a fresh interpreter: {"applied": [...], "results": {...}}."""
-    return last_json(run_python(["-m", "dspatch.verify", patch_id, *extra], env=env))
+    """Run a patch's reproducers in a fresh interpreter: {"applied": [...], "results": {...}}. The same run
+    asked for twice in a session (a patch's own test and the shared proofs) runs once."""
+    key = (patch_id, tuple(sorted(env.items())), extra)
+    if key not in _verified:
+        _verified[key] = last_json(run_python(["-m", "dspatch.verify", patch_id, *extra], env=env))
+    return json.loads(json.dumps(_verified[key]))  # a copy: callers may change it
 
 
 def deepspeed_version():

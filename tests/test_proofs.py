@@ -46,8 +46,8 @@ def test_every_target_is_necessary(pid):
     out = run_python(["-m", "dspatch.verify", pid, "--leave-out-each"]).stdout.strip().splitlines()[-1]
     left_out = json.loads(out)["left_out"]
     assert set(left_out) == {t.qualname for t in patch.targets}
-    for target, results in left_out.items():  # applied less that target, and every scenario ran
-        assert set(results) == set(patch.scenarios), (target, results)
+    for target, results in left_out.items():  # applied less that target, and scenarios ran (until one failed)
+        assert results and set(results) <= set(patch.scenarios), (target, results)
     unneeded = [target for target, results in left_out.items() if all(r == "ok" for r in results.values())]
     assert not unneeded, f"{pid}: leaving out {unneeded} fails no reproducer (a target nothing proves, or a " \
                          f"reproducer missing): {left_out}"
@@ -104,30 +104,51 @@ def _matrix_versions(distribution):
     return {pin.split("==")[1] for pins in stacks.values() for pin in pins if pin.startswith(distribution + "==")}
 
 
+def _target_code(patch, version, into):
+    """The fingerprints of a release's targets (its code, as the gate sees it), from its sdist."""
+    from upstream_releases import extract_modules
+
+    locate = extract_modules(patch.distribution, version, patch.modules, os.path.join(into, version))
+    return tuple(gating.fingerprint(locate(t.module), t.qualname) if locate(t.module) else None
+                 for t in patch.targets)
+
+
 def _bands_no_stack_runs():
-    """(pid, band, newest release of the band) for diff bands that no stack of the matrix installs: their
-    diffs are run here, on the released source of that band, with the rest of the old stack."""
+    """(pid, band, release, reason to skip or None) for the diff bands that no stack of the matrix installs.
+    A band runs on the released source of its newest release, with the rest of the old stack, unless the code
+    of its targets is that of a release a stack runs, or of a band already run here (then only the diff's
+    context differs, which the unit session checks with `git apply --check` on every release)."""
+    import tempfile
+
     from packaging.specifiers import SpecifierSet
 
     from upstream_releases import sdist_versions
 
     found = []
-    for pid in APPLICABLE:
-        patch = registry.all_patches()[pid]
-        covered = _matrix_versions(patch.distribution)
-        for band in patch.diffs:
-            releases = [v for v in sdist_versions(patch.distribution, "0.0", "999") if SpecifierSet(band).contains(v)]
-            if releases and not any(SpecifierSet(band).contains(v) for v in covered):
-                found.append((pid, band, releases[-1]))
+    with tempfile.TemporaryDirectory() as tmp:
+        for pid in APPLICABLE:
+            patch = registry.all_patches()[pid]
+            releases = sdist_versions(patch.distribution, "0.0", "999")
+            covered = _matrix_versions(patch.distribution)
+            seen = {_target_code(patch, v, tmp): f"{patch.distribution} {v}, which a stack runs"
+                    for v in covered if v in releases}
+            for band in patch.diffs:
+                in_band = [v for v in releases if SpecifierSet(band).contains(v)]
+                if not in_band or any(SpecifierSet(band).contains(v) for v in covered):
+                    continue
+                code = _target_code(patch, in_band[-1], tmp)
+                found.append((pid, band, in_band[-1], seen.get(code)))
+                seen.setdefault(code, f"{patch.distribution} {in_band[-1]}, run for band {band}")
     return found
 
 
 BANDS = _bands_no_stack_runs() if os.environ.get("DSPATCH_TEST_STACK") == "old" else []
 
 
-@pytest.mark.parametrize("pid, band, version", BANDS or [("none", "", "")])
-def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, version, tmp_path):
-    """Stock reproduces on that release's own source, and the band's diff applied to it fixes every scenario."""
+@pytest.mark.parametrize("pid, band, version, same_code", BANDS or [("none", "", "", None)])
+def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, version, same_code, tmp_path):
+    """Stock shows the bug on that release's own source (the patch's `band_check` reproducer), and the band's
+    diff applied to it fixes it."""
     import subprocess
     import tarfile
 
@@ -137,6 +158,9 @@ def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, 
 
     if pid == "none":
         pytest.skip("run on the old stack only (the oldest dependencies of the matrix)")
+    if same_code:
+        pytest.skip(f"{version}'s targets are the code of {same_code}: only the diff's context differs "
+                    f"(`git apply --check` on every release of the band, unit session)")
     patch = registry.all_patches()[pid]
     top = patch.modules[0].split(".")[0]
     with tarfile.open(sdist(patch.distribution, version)) as tar:
@@ -147,9 +171,9 @@ def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, 
     if probe.returncode:  # said in the skip reason: that band is proven by fingerprint and `git apply` only
         pytest.skip(f"{patch.distribution} {version} cannot be imported with this stack's torch: "
                     f"{probe.stderr.strip().splitlines()[-1][:200]}")
-    stock = verify(pid, clean_env(PYTHONPATH=str(root)))
-    for name, fragment in patch.expected_on_stock.items():
-        assert fragment in stock["results"][name], (version, name, stock["results"][name])
+    name = patch.band_check
+    stock = verify(pid, clean_env(PYTHONPATH=str(root)), "--only", name)
+    assert patch.expected_on_stock[name] in stock["results"][name], (version, name, stock["results"][name])
     subprocess.run(["git", "apply", os.path.join(data_dir("upstream_prs"), patch.diffs[band])], cwd=root, check=True)
-    fixed = verify(pid, clean_env(PYTHONPATH=str(root)))
-    assert fixed["applied"] == [] and set(fixed["results"].values()) == {"ok"}, (version, fixed)
+    fixed = verify(pid, clean_env(PYTHONPATH=str(root)), "--only", name)
+    assert fixed["applied"] == [] and fixed["results"] == {name: "ok"}, (version, fixed)
