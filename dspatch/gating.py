@@ -251,6 +251,9 @@ def evaluate(patch, version=None, locate=module_file, others=None):
     mismatch = _source_mismatch(patch, locate)
     if mismatch is None:
         note = "" if plain else ", and its source is that of a released version with the bug"
+        for other, wanted in patch.requires.items():
+            seen = others[other] if others and other in others else installed_version(other)
+            note += f", with {other} {seen} (the bug needs {other}{wanted})"
         return version, APPLIES, f"{patch.distribution} {version} has the bug ({patch.affected}){note}"
     if not plain and _has_fix(patch, locate):
         module, qualname = patch.fixed_marker

@@ -8,4 +8,5 @@ MODULES = (
     "deepspeed.zero3_module_id",
     "deepspeed.engine_module_hint",
     "deepspeed.checkpoint_weights_only",
+    "deepspeed.initialize_once",
 )

@@ -1,0 +1,483 @@
+"""A second `deepspeed.initialize` on a model or optimizer a live engine already holds: refused when it would
+corrupt that engine (before anything changes), a warning where it is harmless.
+
+No release (0.14.0-0.19.8) checks whether the model, or the client optimizer, given to `deepspeed.initialize` is
+already in use by an engine. A second call installs DeepSpeed's state on the same objects a second time.
+What that does, seen on CPU with the real code (a 2-layer MLP; first engine trained two steps, then the second
+call; "first engine" = its next steps compared bit for bit with an identical engine that saw no second call;
+every row is a test, tests/test_initialize_once.py::test_table):
+
+| second call (first engine's ZeRO stage -> second's) | deepspeed 0.14.4 (and 0.16.3) | deepspeed 0.19.8 |
+|---|---|---|
+| same model, 0 -> 0 and 1 -> 1 | both engines train; first unchanged | same |
+| same model, 2 -> 2 (gradient hooks registered twice) | first engine's next step: `AttributeError: 'DeepSpeedZeroOptimizer' object has no attribute 'ipg_index'` | first unchanged until the second engine's first backward: `AssertionError: The parameter ... has already been reduced`; the first fails the same way from then on |
+| same model, 3 -> 3 (parameters partitioned twice) | first unchanged until the second engine's first step fails (`AssertionError`), then the first fails too | same |
+| same model, 0 -> 3 (the first engine's parameters partitioned under it) | first engine's next forward: `RuntimeError: The size of tensor a (0) must match ...` | same |
+| the engine passed as the model, 2 -> 2 / 3 -> 3 | as "same model" | first unchanged; the second engine's first step: `AttributeError: 'NoneType' object has no attribute 'view'` / `... 'numel'` |
+| same client optimizer, ZeRO 1 or 2 (param_groups pruned and regrouped in place) | the second call raises `KeyError` part-way, after changing the shared optimizer; the first engine's losses change | same (with the same model passed again, the first engine fails: `no attribute 'engine_timers'`, hooks of the half-built second engine) |
+| same client optimizer, ZeRO 3 | the second call raises `IndexError` part-way; the first engine fails | same |
+| same client optimizer, ZeRO 0 | both engines train; first unchanged | same |
+| a different model, any stage | allowed (DeepSpeed-Chat builds four engines) | same |
+| same model after `first.destroy()` | allowed, the new engine trains | same |
+
+So with the patch, before the call reaches DeepSpeed:
+- the model (or an engine passed as the model) or the client optimizer is owned by a live engine and either that
+  engine or the new call uses gradient hooks or partitioning (ZeRO stage >= 2, stage 1 with `overlap_comm`), or
+  the optimizer is shared at ZeRO >= 1, or the new call's ZeRO stage cannot be read (a config that is neither a
+  dict nor a JSON file): `InitializeTwiceError` (a RuntimeError) naming the object, the live engine and its
+  stage, and what to do (keep the first engine, `destroy()` it first, or pass a fresh copy). Nothing has changed;
+  the first engine trains on bit-identically.
+- otherwise (ZeRO 0/1 without hooks on both sides, harmless): one `UserWarning` per process, and the call goes
+  through as stock.
+- different models, and a model whose engine was `destroy()`ed (or garbage-collected), pass silently.
+
+Ownership is kept in this module as weak references keyed by `id()` (checked with `ref() is obj`), never on the
+user's objects: a marker attribute (upstream PR 6874 sets `ds_is_inited = True`) would be copied by
+`copy.deepcopy(model)` and pickled with it, so a deep copy made for a reference/EMA model would be refused, and it
+stays set after `destroy()`. Weak references keep nothing alive and are gone with the engine.
+
+Targets: `deepspeed.initialize` (wrapped: one check per call, nothing per step) and `DeepSpeedEngine.destroy`
+(wrapped: forgets the engine's ownership after a successful destroy). The wrap replaces the attribute of the
+`deepspeed` module, so it covers callers that look it up at call time: `deepspeed.initialize(...)` (scripts,
+DeepSpeed-Chat, trl's `prepare_deepspeed`, accelerate 0.34.2 `deepspeed.initialize(**kwargs)` and 1.x
+`ds_initialize = deepspeed.initialize` inside `_prepare_deepspeed`, transformers through accelerate). A
+`from deepspeed import initialize` bound *before* the patch applied keeps the stock function (with `DSPATCH=1`
+the patch applies when `deepspeed` finishes importing, before any user code can bind it). Engines created before
+a late `dspatch.apply()` are unknown to the guard.
+
+Compared with upstream PR 6874 (open): it raises on any second call with a marked object, including the harmless
+ZeRO-0/1 cases and after `destroy()`, and marks the objects themselves (copied by deepcopy, see above). This
+patch refuses exactly where the table shows corruption, warns elsewhere, and forgets an engine on `destroy()`.
+Not covered: two *different* model objects sharing parameters (tied modules passed separately).
+"""
+from dspatch.spec import BugSeen, Patch, Target
+
+INIT = ("deepspeed", "initialize")
+DESTROY = ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy")
+
+# every release 0.14.0-0.19.8 (tests/test_gating_initialize_once.py recomputes them from the sdists)
+FINGERPRINTS = {
+    INIT: {"aa0062168c52732e": "0.14.0", "f586614c862a60da": "0.14.1-0.14.5", "64d29b1daff4230e": "0.15.0-0.17.5",
+           "4c161e7ef684c323": "0.17.6-0.18.5", "148baa742917d32c": "0.18.6-0.19.2",
+           "6e59cafa98b5f5f3": "0.19.3-0.19.7", "707119702bbc59d2": "0.19.8"},
+    DESTROY: {"2b6d8adde43ee512": "0.14.0-0.16.5", "cb369d749f50644b": "0.16.6-0.17.0",
+              "067793bb7bdcac28": "0.17.1-0.17.6", "47e692d46cdd1c84": "0.18.0-0.18.4",
+              "1f79862f7d57ec45": "0.18.5-0.19.3", "1d1da7507a510d2e": "0.19.4-0.19.6", "11eec80a9298544b": "0.19.7",
+              "4fe7c15000176806": "0.19.8"},
+}
+
+PID = "deepspeed/initialize-once"
+REFUSED = "deepspeed.initialize refused before changing anything"
+
+
+class InitializeTwiceError(RuntimeError):
+    """A second deepspeed.initialize on an object a live engine holds, where it would corrupt that engine."""
+
+
+# id(obj) -> (weakref to obj, weakref to engine, what: "model" | "engine" | "optimizer")
+_owners = {}
+_warned = []
+
+
+def _remember(obj, engine, what):
+    import weakref
+
+    if obj is None:
+        return
+    key = id(obj)
+    try:
+        ref = weakref.ref(obj, lambda _, key=key: _forget_key(key))
+    except TypeError:  # not weak-referenceable: not tracked
+        return
+    _owners[key] = (ref, weakref.ref(engine), what)
+
+
+def _forget_key(key):
+    entry = _owners.get(key)
+    if entry is not None and entry[0]() is None:
+        del _owners[key]
+
+
+def _forget_engine(engine):
+    for key, (_, owner, _) in list(_owners.items()):
+        if owner() is engine or owner() is None:
+            _owners.pop(key, None)
+
+
+def _owner(obj):
+    """(engine, what) of a live engine holding `obj`, or None."""
+    entry = _owners.get(id(obj)) if obj is not None else None
+    if entry is None or entry[0]() is not obj:
+        return None
+    engine = entry[1]()
+    return None if engine is None else (engine, entry[2])
+
+
+def _read_config(args, config, config_params):
+    """The config dict as deepspeed.initialize will pick it, or None if it cannot be read without side effects."""
+    import json
+    import os
+
+    if config is None and config_params is not None:
+        config = config_params
+    for name in ("deepscale_config", "deepspeed_config"):
+        if getattr(args, name, None) is not None:
+            config = getattr(args, name)
+    if isinstance(config, dict):
+        return config
+    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
+        try:
+            with open(config) as f:
+                value = json.load(f)
+            return value if isinstance(value, dict) else None
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+def _stage_of_config(config):
+    """(stage, overlap_comm) or None when unknown ("auto", unreadable)."""
+    if config is None:
+        return None
+    zero = config.get("zero_optimization") or {}
+    if not isinstance(zero, dict):
+        return None
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        return None
+    return stage, bool(zero.get("overlap_comm") is True)
+
+
+def _stage_of_engine(engine):
+    try:
+        return engine.zero_optimization_stage(), bool(engine.zero_overlap_comm())
+    except Exception:
+        return None
+
+
+def _hooks(stage):
+    """Whether an engine at this (stage, overlap_comm) installs per-parameter state (grad hooks, partitions)."""
+    return stage is None or stage[0] >= 2 or (stage[0] == 1 and stage[1])
+
+
+def _describe(obj):
+    return f"{type(obj).__name__} at {hex(id(obj))}"
+
+
+def _check(model, optimizer, args, config, config_params):
+    """Raise InitializeTwiceError where a second call would corrupt a live engine; return a warning text where
+    it is harmless; None when nothing is reused."""
+    new = _stage_of_config(_read_config(args, config, config_params))
+    new_text = f"ZeRO stage {new[0]}" if new else "a ZeRO stage this check cannot read (not a dict or a JSON file)"
+    harmless = []
+    for obj, role in ((model, "model"), (optimizer, "optimizer")):
+        found = _owner(obj)
+        if found is None:
+            continue
+        engine, what = found
+        old = _stage_of_engine(engine)
+        old_text = f"ZeRO stage {old[0]}" if old else "an unknown ZeRO stage"
+        subject = ("this DeepSpeedEngine (passed as the model)" if what == "engine" else f"this {role}") \
+            + f" ({_describe(obj)})"
+        if role == "model":
+            corrupting = _hooks(old) or _hooks(new)
+            why = ("would install DeepSpeed's per-parameter state on the same parameters again (ZeRO-2 gradient "
+                   "hooks registered twice, ZeRO-3 parameters partitioned twice), which breaks both engines")
+        else:
+            corrupting = old is None or new is None or old[0] >= 1 or new[0] >= 1
+            why = ("would prune and regroup the optimizer's param_groups in place again, which changes the "
+                   "first engine's optimizer")
+        where = f"is already in use by a live {type(engine).__name__} ({hex(id(engine))}, {old_text})"
+        if corrupting:
+            raise InitializeTwiceError(
+                f"{REFUSED}: {subject} {where}. A second initialize with {new_text} {why}. Keep training with "
+                f"the engine you have (it is unchanged), or call its destroy() before initializing again, or pass "
+                f"a new {role} (e.g. a copy.deepcopy made before the first initialize). [dspatch {PID}]")
+        harmless.append(f"{subject} {where}")
+    if harmless:
+        return (f"deepspeed.initialize: {'; '.join(harmless)}. At {new_text} this is harmless, but both engines "
+                f"now share the same parameters and each steps them. [dspatch {PID}; shown once]")
+    return None
+
+
+def _bind(wrapped, args, kwargs):
+    import inspect
+
+    try:
+        bound = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = dict(kwargs)
+    return bound
+
+
+def _initialize(wrapped, instance, args, kwargs):
+    bound = _bind(wrapped, args, kwargs)
+    model, optimizer = bound.get("model"), bound.get("optimizer")
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = None  # a callable that builds one is fresh each time
+    warning = _check(model, optimizer, bound.get("args"), bound.get("config"), bound.get("config_params"))
+    if warning is not None and not _warned:
+        import warnings
+
+        _warned.append(True)
+        warnings.warn(warning, UserWarning, stacklevel=3)
+    result = wrapped(*args, **kwargs)
+    try:
+        engine = result[0]
+    except Exception:
+        return result
+    _remember(engine, engine, "engine")
+    if model is not engine:
+        _remember(model, engine, "model")
+    _remember(optimizer, engine, "optimizer")
+    return result
+
+
+def _destroy(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if instance is not None:
+        _forget_engine(instance)
+    return result
+
+
+def apply(txn):
+    txn.wrap(txn.target(INIT[1]), _initialize)
+    txn.wrap(txn.target(DESTROY[1]), _destroy)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reproducers: real deepspeed.initialize on CPU, a tiny MLP, fp32. Every comparison of losses is between two
+# engines that are both not the first of the process (deepspeed <= 0.16 trains the first one slightly
+# differently), so `_warm_up()` builds a throw-away engine once.
+
+def _config(stage, optimizer=True):
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+              "zero_optimization": {"stage": stage}}
+    if stage == 3:
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=64)
+    if optimizer:
+        config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}
+    return config
+
+
+def make_model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def make_engine(model, stage, optimizer=None):
+    from dspatch.scenario import init_deepspeed
+
+    deepspeed = init_deepspeed()
+    if optimizer is None:
+        return deepspeed.initialize(model=model, config=_config(stage), model_parameters=model.parameters())[0]
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=_config(stage, optimizer=False))[0]
+
+
+def train(engine, steps):
+    import torch
+
+    losses = []
+    for i in steps:
+        g = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+_warm = []
+
+
+def warm_up():
+    if not _warm:
+        _warm.append(make_engine(make_model(), 0))
+
+
+def reference(stage, optimizer=False):
+    """Losses of steps 0-3 of an engine that sees no second call."""
+    warm_up()
+    model = make_model()
+    opt = _adamw(model) if optimizer else None
+    return train(make_engine(model, stage, opt), range(4))
+
+
+def _adamw(model):
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def second_call(fn):
+    """('refused', message) if the guard (monkeypatch or diff) refused, ('ok', value) or ('raised', exc)."""
+    try:
+        return "ok", fn()
+    except RuntimeError as e:
+        if str(e).startswith(REFUSED):
+            return "refused", str(e)
+        return "raised", e
+    except (KeyError, IndexError) as e:
+        return "raised", e
+
+
+def _first_unchanged(engine, done, want, what):
+    got = done + train(engine, range(2, 4))
+    if got != want:
+        raise AssertionError(f"{what}: the first engine's losses changed after a refused call: {got} != {want}")
+
+
+def _same_model(stage):
+    want = reference(stage)
+    model = make_model()
+    first = make_engine(model, stage)
+    done = train(first, range(2))
+    outcome, value = second_call(lambda: make_engine(model, stage))
+    if outcome == "refused":
+        if "is already in use by a live DeepSpeedEngine" not in value or f"ZeRO stage {stage}" not in value:
+            raise AssertionError(f"refusal does not name the engine and its stage: {value}")
+        return _first_unchanged(first, done, want, f"ZeRO-{stage}")
+    if outcome == "raised":
+        raise value
+    went = f"second deepspeed.initialize on the model of a live ZeRO-{stage} engine went through"
+    try:
+        train(first, range(2, 4))
+    except AttributeError as e:
+        if "has no attribute 'ipg_index'" in str(e):
+            raise BugSeen(f"{went}; the first engine's next step: AttributeError: {e}") from None
+        raise
+    try:
+        train(value, range(4, 5))
+    except AssertionError as e:
+        text = " ".join(str(e).split())
+        if stage == 2 and "has already been reduced" in text:
+            raise BugSeen(f"{went}; the second engine's first step: AssertionError: {text}") from None
+        if stage == 3 and text == "":
+            raise BugSeen(f"{went}; the second engine's first step: AssertionError (partitioned twice)") from None
+        raise
+    raise AssertionError(f"{went} and nothing failed: the scenario no longer shows the bug")
+
+
+def zero2_same_model():
+    """ZeRO-2, the same model given to deepspeed.initialize twice: refused, the first engine trains on unchanged."""
+    _same_model(2)
+
+
+def zero3_same_model():
+    """ZeRO-3, the same model given to deepspeed.initialize twice: refused, the first engine trains on unchanged."""
+    _same_model(3)
+
+
+def zero1_same_optimizer():
+    """ZeRO-1, a client optimizer already given to a live engine, given again with another model: refused, the
+    first engine trains on unchanged (stock prunes the shared optimizer, then fails part-way)."""
+    want = reference(1, optimizer=True)
+    model = make_model()
+    optimizer = _adamw(model)
+    first = make_engine(model, 1, optimizer)
+    done = train(first, range(2))
+    outcome, value = second_call(lambda: make_engine(make_model(), 1, optimizer))
+    if outcome == "refused":
+        if "this optimizer (AdamW" not in value:
+            raise AssertionError(f"refusal does not name the optimizer: {value}")
+        return _first_unchanged(first, done, want, "ZeRO-1 optimizer")
+    went = "second deepspeed.initialize with the optimizer of a live ZeRO-1 engine went through"
+    if outcome == "raised" and isinstance(value, KeyError):
+        got = done + train(first, range(2, 4))
+        changed = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        if changed:
+            raise BugSeen(f"{went} until KeyError (a parameter tensor) part-way; the first engine's losses "
+                          f"changed from step {changed[0]}") from None
+    if outcome == "raised":
+        raise value
+    raise AssertionError(f"{went} and nothing failed: the scenario no longer shows the bug")
+
+
+def zero0_same_model_warns():
+    """ZeRO-0, the same model twice (harmless): one warning for two such calls, both engines train, the first
+    one's losses unchanged."""
+    import warnings
+
+    want = reference(0)
+    model = make_model()
+    first = make_engine(model, 0)
+    done = train(first, range(2))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        second = make_engine(model, 0)
+        make_engine(model, 0)
+    ours = [w for w in seen if "is already in use by a live" in str(w.message)]
+    if not ours:
+        raise BugSeen("second deepspeed.initialize on the model of a live ZeRO-0 engine went through without a word")
+    if len(ours) != 1 or "live DeepSpeedEngine" not in str(ours[0].message) or "stage 0" not in str(ours[0].message):
+        raise AssertionError(f"wanted one warning naming the engine, got {[str(w.message) for w in ours]}")
+    _first_unchanged(first, done, want, "ZeRO-0")
+    train(second, range(4, 5))
+
+
+def allowed_calls():
+    """Several different models (ZeRO-3, ZeRO-2), and a model initialized again after its engine's destroy()
+    (ZeRO-2): no error, no warning, the engines train."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a, b = make_model(), make_model()
+        train(make_engine(a, 3), range(1))
+        train(make_engine(b, 3), range(1))
+        # after destroy(), at ZeRO-2: stock 0.16.x cannot re-initialize a destroyed ZeRO-3 model at all (its
+        # prefetch trace fails, `pop from an empty deque`, patched or not), so that is not a call to allow
+        model = make_model()
+        first = make_engine(model, 2)
+        train(first, range(1))
+        first.destroy()
+        train(make_engine(model, 2), range(1, 3))
+    ours = [str(w.message) for w in seen if "is already in use by a live" in str(w.message)]
+    if ours:
+        raise AssertionError(f"warned on an allowed call: {ours}")
+
+
+PATCH = Patch(
+    id=PID,
+    summary=("A second deepspeed.initialize on a model/optimizer a live engine holds is refused before it "
+             "corrupts that engine (ZeRO-2 hooks, ZeRO-3 partitions, optimizer groups); harmless reuse warns once"),
+    distribution="deepspeed",
+    affected=">=0",  # open upstream in every release: the fingerprints decide
+    fixed_in=None,
+    targets=[Target(module, qualname, prints) for (module, qualname), prints in FINGERPRINTS.items()],
+    apply=apply,
+    links=("https://github.com/deepspeedai/DeepSpeed/issues/6772",
+           "https://github.com/deepspeedai/DeepSpeed/pull/6874"),
+    supported=">=0.14.0",
+    # one diff per band of releases whose files differ around the three insertion points (each applies as it
+    # is); the last one is the one to forward upstream
+    diffs={">=0.14.0,<=0.14.3": "deepspeed/0005-initialize-once-0.14.0-0.14.3.patch",
+           "==0.14.4": "deepspeed/0005-initialize-once-0.14.4.patch",
+           "==0.14.5": "deepspeed/0005-initialize-once-0.14.5.patch",
+           ">=0.15.0,<=0.16.3": "deepspeed/0005-initialize-once-0.15.0-0.16.3.patch",
+           ">=0.16.4,<=0.16.5": "deepspeed/0005-initialize-once-0.16.4-0.16.5.patch",
+           ">=0.16.6,<=0.17.0": "deepspeed/0005-initialize-once-0.16.6-0.17.0.patch",
+           ">=0.17.1,<=0.17.6": "deepspeed/0005-initialize-once-0.17.1-0.17.6.patch",
+           ">=0.18.0,<=0.18.4": "deepspeed/0005-initialize-once-0.18.0-0.18.4.patch",
+           ">=0.18.5,<=0.19.3": "deepspeed/0005-initialize-once-0.18.5-0.19.3.patch",
+           ">=0.19.4,<=0.19.6": "deepspeed/0005-initialize-once-0.19.4-0.19.6.patch",
+           "==0.19.7": "deepspeed/0005-initialize-once-0.19.7.patch",
+           "==0.19.8": "deepspeed/0005-initialize-once.patch"},
+    scenarios={"zero2_same_model": zero2_same_model, "zero3_same_model": zero3_same_model,
+               "zero1_same_optimizer": zero1_same_optimizer, "zero0_same_model_warns": zero0_same_model_warns,
+               "allowed_calls": allowed_calls},
+    band_check="zero0_same_model_warns",  # the cheapest reproducer: one engine pair, no training
+    expected_on_stock={
+        "zero2_same_model": "second deepspeed.initialize on the model of a live ZeRO-2 engine went through",
+        "zero3_same_model": "second deepspeed.initialize on the model of a live ZeRO-3 engine went through",
+        "zero1_same_optimizer": "second deepspeed.initialize with the optimizer of a live ZeRO-1 engine went through",
+        "zero0_same_model_warns": "ZeRO-0 engine went through without a word",
+    },
+    note=("deepspeed.initialize and DeepSpeedEngine.destroy are wrapped: one ownership check per initialize "
+          "(weak references, nothing stored on your objects), nothing per step"),
+)
