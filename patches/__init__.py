@@ -7,6 +7,7 @@ nothing heavy at module level.
 MODULES = (
     "deepspeed.zero3_module_id",
     "deepspeed.engine_module_hint",
-    "deepspeed.checkpoint_weights_only",
     "deepspeed.initialize_once",
+    "deepspeed.checkpoint_weights_only",
+    "deepspeed.frozen_param_names",
 )
