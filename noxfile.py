@@ -20,29 +20,31 @@ STACKS = {
     "mid": ["deepspeed==0.16.3", "transformers==4.57.6", "accelerate==1.10.1", "trl==1.12.0"],
     "latest": ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0"],
 }
+# Two workers: the tests are mostly subprocesses (fresh interpreters running deepspeed), one core each.
+XDIST = ["-n", "2", "--dist", "loadfile"]
 TEST_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def install_stack(session, name):
     session.install(TORCH)
     session.install(*STACKS[name])
-    session.install(".", "pytest")  # dspatch as a user gets it: a wheel, with its .pth
+    session.install(".", "pytest", "pytest-xdist")  # dspatch as a user gets it: a wheel, with its .pth
 
 
 @nox.session(python="3.11")
 def unit(session):
     """Registry, selection, --check without any target, activation cost, packaging, every release's verdict."""
-    session.install(".", "pytest")
+    session.install(".", "pytest", "pytest-xdist")
     # released sdists are cached outside the clone (~/.cache/dspatch/releases unless DSPATCH_RELEASE_CACHE says
     # otherwise), so a fresh clone, as CI makes, does not download them again
-    session.run("pytest", "-m", "not stack", *session.posargs, env=TEST_ENV)
+    session.run("pytest", "-m", "not stack", *XDIST, *session.posargs, env=TEST_ENV)
 
 
 def stack_session(name):
     @nox.session(python="3.11", name=name)
     def run(session):
         install_stack(session, name)
-        session.run("pytest", "-m", "not unit_only", *session.posargs,
+        session.run("pytest", "-m", "not unit_only", *XDIST, *session.posargs,
                     env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS)})
 
     run.__doc__ = f"Every patch proven against real {', '.join(STACKS[name])} (torch 2.13 CPU)."
