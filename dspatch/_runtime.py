@@ -86,8 +86,9 @@ def module_loaded(name):
         if name == LAUNCHER:
             forward_to_nodes()
         if _strict:
-            for key, message in _strict_failures.items():
-                if key == SELECTION or name in registry.all_patches()[key].modules:
+            top = name.partition(".")[0]
+            for key, message in _strict_failures.items():  # every later import of that package fails too
+                if key == SELECTION or registry.all_patches()[key].modules[0].partition(".")[0] == top:
                     raise PatchError(message)
 
 
@@ -133,8 +134,7 @@ def activate(ids, strict, just_loaded=None):
     global _active, _strict
     with _lock:
         _strict = registry.flag("DSPATCH_STRICT") if strict is None else bool(strict)
-        _active = True
-        try:
+        try:  # a bad selection leaves the state as it was (a typo in code does not switch DSPATCH=1 off)
             chosen, _ = registry.selection(ids)
         except registry.SelectionError as e:
             _report(("selection", str(e)), f"{e}. Nothing applied.")
@@ -143,6 +143,7 @@ def activate(ids, strict, just_loaded=None):
                 raise PatchError(_strict_failures[SELECTION]) from None
             return {}
         _strict_failures.pop(SELECTION, None)
+        _active = True
         from dspatch import _boot
 
         if _boot.finder() is None:
@@ -209,8 +210,11 @@ def _apply_one(patch, late=False):
     txn = Transaction(patch)
     try:
         patch.apply(txn)
-    except Exception as e:
+    except BaseException as e:
         txn.rollback()
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: nothing left half-applied, then go on
+            _outcome[patch.id] = (gating.FAILED, f"interrupted ({type(e).__name__}); left out whole")
+            raise
         reason = f"{type(e).__name__}: {e}; left out whole, nothing changed"
         return _fail(patch, gating.FAILED, reason,
                      f"{patch.id} could not apply to {patch.distribution} {version}: {reason}", e)
@@ -225,7 +229,7 @@ def revert(ids=None, force=False):
     objects depend on it is not reverted (RuntimeError) unless `force`."""
     global _active
     with _lock:
-        wanted = list(_applied) if ids is None else registry._resolve_tokens(
+        wanted = list(dict.fromkeys([*_applied, *_superseded])) if ids is None else registry._resolve_tokens(
             registry.split(ids) if isinstance(ids, str) else list(ids), "dspatch.revert()")
         busy = {}
         for pid in wanted:
@@ -238,6 +242,12 @@ def revert(ids=None, force=False):
         if busy:
             raise RuntimeError("dspatch: not reverted, " + "; ".join(f"{p}: {w}" for p, w in busy.items())
                                + " (revert(force=True) if they will not be used again)")
+        # whole or not at all: a function whose code another tool swapped since cannot get upstream's back
+        blocked = [c for pid in wanted for t in [_applied.get(pid), *_superseded.get(pid, [])] if t is not None
+                   for c in t.blocked()]
+        if blocked:
+            raise RuntimeError("dspatch: not reverted, nothing changed: another tool has replaced the code of "
+                               + "; ".join(blocked) + " since dspatch patched it (undo theirs first)")
         done = []
         for pid in wanted:
             _pending.pop(pid, None)
@@ -313,8 +323,11 @@ class _CodeChange:
         return upstream_function(value, self.target, self.function.__code__.co_filename) is self.function \
             and self.function.__code__ is self.new
 
+    def blocked(self):
+        return None if self.function.__code__ is self.new else f"{self.target}"
+
     def undo(self):
-        if self.function.__code__ is self.new:  # never undo someone else's later change
+        if self.function.__code__ is self.new:  # never undo someone else's later change (revert checks first)
             self.function.__code__ = self.old
 
 
@@ -330,6 +343,9 @@ class _AttributeChange:
 
     def intact(self, txn):
         return vars(self.owner).get(self.name) is self.installed and txn.resolve(self.target)[0] is self.owner
+
+    def blocked(self):
+        return None  # a wrapper can always be switched to a pass-through
 
     def undo(self):
         self.switch["on"] = False  # from now on the wrapper only forwards, wherever it still sits
@@ -372,10 +388,16 @@ class Transaction:
     def recode(self, target, transform):
         """Rebuild the target's code from the installed source with `transform` (see dspatch.rewrite) and
         install it in upstream's own function object. Returns that function."""
-        from dspatch.rewrite import rebuild_code, upstream_function
+        from dspatch.rewrite import RewriteError, rebuild_code, same_code, upstream_function
 
         _, _, value = self.resolve(target)
         function = upstream_function(value, target, sys.modules[target.module].__file__)
+        if not any(change.function is function for old in _superseded.get(self.patch.id, ())
+                   for change in old._undo if isinstance(change, _CodeChange)):
+            # a code-swapping tool (ddtrace's wrapping does this) got there first: its trampoline would be lost
+            if not same_code(function.__code__, rebuild_code(target, lambda node: None, function)):
+                raise RewriteError(f"{target}: its code is not the one its source compiles to (another tool "
+                                   f"replaced it in place); left out rather than drop that tool's change")
         new = rebuild_code(target, transform, function)
         self._undo.append(_CodeChange(target, function, function.__code__, new))
         function.__code__ = new
@@ -400,6 +422,10 @@ class Transaction:
 
     def changes(self):
         return [change.describe() for change in self._undo]
+
+    def blocked(self):
+        """Changes that cannot be undone now (another tool swapped a function's code since)."""
+        return [why for why in (change.blocked() for change in self._undo) if why]
 
     def intact(self):
         """Whether every change is still in force where the target's module now points (False after a

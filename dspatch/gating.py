@@ -8,8 +8,10 @@ import ast
 import hashlib
 import importlib.machinery
 import importlib.metadata
+import io
 import os
 import sys
+import tokenize
 
 from dspatch import registry
 
@@ -78,7 +80,9 @@ def _parse(path):
     if key not in _parsed:
         with open(path, encoding="utf-8") as f:
             source = f.read()
-        _parsed[key] = (source.splitlines(), ast.parse(source, path))
+        # lines as the parser counts them (str.splitlines would also split at \x0c, \x85, \u2028 ...)
+        lines = [line.rstrip("\r\n") for line in io.StringIO(source, newline=None).readlines()]
+        _parsed[key] = (lines, ast.parse(source, path))
     return _parsed[key]
 
 
@@ -114,9 +118,6 @@ def code_tokens(text):
     indentation widths (block structure is kept as INDENT/DEDENT marks), string literals by value (quotes,
     prefixes and implicit concatenation normalised). The same for every Python version: f-strings, which
     Python 3.12 splits into parts, are kept as their source text."""
-    import io
-    import tokenize
-
     lines = text.splitlines(keepends=True)
     out, depth, start = [], 0, None
     fstring_start = getattr(tokenize, "FSTRING_START", None)
@@ -195,7 +196,7 @@ def _source_mismatch(patch, locate):
             return f"{target.module} not found in the installed {patch.distribution}"
         try:
             found = fingerprint(path, target.qualname)
-        except (OSError, SyntaxError, UnicodeDecodeError) as e:
+        except (OSError, SyntaxError, UnicodeDecodeError, tokenize.TokenError) as e:
             return f"cannot read {path}: {e}"
         if found is None:
             return f"{target} is missing from {path}"
@@ -258,6 +259,9 @@ def evaluate(patch, version=None, locate=module_file, others=None):
     if not plain and _has_fix(patch, locate):
         module, qualname = patch.fixed_marker
         return version, FIXED_UPSTREAM, f"{version} is a build that contains upstream's fix ({module}:{qualname})"
+    if not plain and fixed and not patch.fixed_marker:  # nothing in the source tells: its number decides
+        return version, FIXED_UPSTREAM, (f"fixed upstream in {patch.fixed_in} ({version} is a build at or past it, "
+                                         f"and its source is not that of an affected release)")
     if not plain and not fixed and not SpecifierSet(patch.affected).contains(release):
         return version, NOT_AFFECTED, f"the bug affects {patch.distribution} {patch.affected} only"
     return version, DRIFTED, f"{mismatch}; left out"

@@ -32,11 +32,13 @@ def _functions_in(obj, depth=4):
     return [f for f in seen if hasattr(f, "__code__") and hasattr(f, "__defaults__")]
 
 
-def rebuild(target, transform, original):
+def rebuild(target, transform, original, decorators=True):
     """Compile `target` from its module's source file after `transform(def_node)` edits its AST.
 
     The definition is compiled inside the same chain of class names, so private `self.__x` names mangle as
-    upstream's do; decorators are re-applied from the module's own globals; `__class__` is the real class;
+    upstream's do; decorators are re-applied from the module's own globals (`decorators=False`: not run,
+    each replaced by an identity at its own line, for callers that need only the code); `__class__` is the
+    real class;
     line numbers stay those of the installed file (tracebacks point at real lines); and mutable defaults
     (deepspeed's `count=[0]`) are the original's own objects, shared, not reset."""
     module = sys.modules[target.module]
@@ -46,6 +48,13 @@ def rebuild(target, transform, original):
     flags = sum(f.compiler_flag for f in vars(module).values() if isinstance(f, __future__._Feature))
     _refuse_class_scope_names(module.__file__, classes, definition, flags)
     transform(definition)
+    if not decorators and definition.decorator_list:  # co_firstlineno stays the first decorator's line
+        first = definition.decorator_list[0]
+        identity = ast.parse("lambda f: f", mode="eval").body
+        for node in ast.walk(identity):
+            if "lineno" in node._attributes:
+                ast.copy_location(node, first)
+        definition.decorator_list = [identity]
     body = [definition]
     for cls in reversed(classes):
         holder = ast.parse(f"class {cls}:\n    pass").body[0]
@@ -123,12 +132,21 @@ def _describe(obj):
     return f"a {kind.__module__}.{kind.__qualname__} ({getattr(obj, '__qualname__', repr(obj)[:60])} from {where})"
 
 
+def same_code(a, b):
+    """Whether code `a` is, by its signature and the names it uses, the code `b` compiled from the same
+    definition. (Bytecode is no test: a module's cached bytecode and a fresh compile of the same source can
+    differ in layout.) A tool's trampoline installed as a function's code uses other names."""
+    fields = ("co_name", "co_firstlineno", "co_argcount", "co_kwonlyargcount", "co_names", "co_varnames",
+              "co_freevars", "co_cellvars")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
 def rebuild_code(target, transform, function):
     """The code object of `function` (upstream's own, see upstream_function) recompiled from its module's
     source after `transform`. Installed as `function.__code__`, it changes what every reference to the
     function runs (the class attribute, upstream's decorators, anyone's wrapper around it) while the
     function object, its defaults, closure (`__class__`), name and identity stay upstream's."""
-    rebuilt = rebuild(target, transform, function)
+    rebuilt = rebuild(target, transform, function, decorators=False)
     code = _the_function(rebuilt, function.__code__.co_name, function.__code__.co_filename, target).__code__
     if code.co_freevars != function.__code__.co_freevars:
         raise RewriteError(f"{target}: the rebuilt code needs the free variables {code.co_freevars}, the installed "

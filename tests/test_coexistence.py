@@ -227,3 +227,40 @@ print("R " + json.dumps({"same": same, "wrapper": wrapper_ok, "after_rollback": 
     result, _ = _report(code)
     assert result["same"] == [True, True, True] and result["wrapper"] == [True, True, True]
     assert result["after_rollback"] == ["theirs"] and result["theirs_kept"] is True
+
+
+def test_code_swapped_by_another_tool_is_never_dropped():
+    """Tools that swap a function's `__code__` themselves (ddtrace's wrapping does): before dspatch, the patch
+    is refused whole (their trampoline would be lost); after dspatch, revert refuses and changes nothing."""
+    if not affected():
+        pytest.skip("nothing to apply on a fixed release")
+    code = r'''
+import json, deepspeed, dspatch
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
+from dspatch.rewrite import upstream_function
+from dspatch import registry
+patch = registry.all_patches()["deepspeed/zero3-module-id"]
+target = [t for t in patch.targets if t.qualname.endswith("reset_step")][0]
+fn = upstream_function(C.__dict__["reset_step"], target, deepspeed.runtime.zero.partitioned_param_coordinator.__file__)
+stock = fn.__code__
+theirs = stock.replace(co_names=stock.co_names + ("_a_tools_trampoline",))  # other names: not the source's code
+fn.__code__ = theirs  # theirs, before us
+before = dspatch.apply(["deepspeed/zero3-module-id"])["deepspeed/zero3-module-id"]
+kept_theirs = fn.__code__ is theirs
+fn.__code__ = stock
+after = dspatch.apply(["deepspeed/zero3-module-id"])["deepspeed/zero3-module-id"][0]
+ours = fn.__code__
+fn.__code__ = ours.replace(co_consts=ours.co_consts + ("a tool's trampoline",))  # theirs, after us
+try:
+    dspatch.revert(); revert = "reverted"
+except RuntimeError as e:
+    revert = str(e)
+import dspatch._runtime as r
+print("R " + json.dumps({"before": before, "kept_theirs": kept_theirs, "after": after, "revert": revert,
+                         "still_applied": r.applied_ids()}))
+'''
+    result, _ = _report(code)
+    assert result["before"][0] == "failed" and "another tool replaced it in place" in result["before"][1]
+    assert result["kept_theirs"] is True and result["after"] == "applied"
+    assert result["revert"].startswith("dspatch: not reverted, nothing changed: another tool has replaced the code")
+    assert "reset_step" in result["revert"] and result["still_applied"] == [PID]

@@ -101,7 +101,8 @@ def test_every_targets_drift_is_caught_in_the_running_process(pid, tmp_path):
 def _matrix_versions(distribution):
     """Versions of `distribution` some stack of the matrix installs (noxfile passes DSPATCH_MATRIX)."""
     stacks = json.loads(os.environ.get("DSPATCH_MATRIX", "{}"))
-    return {pin.split("==")[1] for pins in stacks.values() for pin in pins if pin.startswith(distribution + "==")}
+    found = {pin.split("==")[1] for pins in stacks.values() for pin in pins if pin.startswith(distribution + "==")}
+    return sorted(found)
 
 
 def _target_code(patch, version, into):
@@ -129,9 +130,10 @@ def _bands_no_stack_runs():
         for pid in APPLICABLE:
             patch = registry.all_patches()[pid]
             releases = sdist_versions(patch.distribution, "0.0", "999")
-            covered = _matrix_versions(patch.distribution)
-            seen = {_target_code(patch, v, tmp): f"{patch.distribution} {v}, which a stack runs"
-                    for v in covered if v in releases}
+            covered = [v for v in releases if v in _matrix_versions(patch.distribution)]  # same order on every worker
+            seen = {}
+            for v in covered:
+                seen.setdefault(_target_code(patch, v, tmp), f"{patch.distribution} {v}, which a stack runs")
             for band in patch.diffs:
                 in_band = [v for v in releases if SpecifierSet(band).contains(v)]
                 if not in_band or any(SpecifierSet(band).contains(v) for v in covered):
