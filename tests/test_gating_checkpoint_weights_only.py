@@ -12,7 +12,7 @@ from packaging.version import Version
 
 from dspatch import data_dir, gating, registry
 
-from upstream_releases import extract_modules, sdist, sdist_versions
+from upstream_releases import extract_modules, released_fingerprints, sdist, sdist_versions
 
 pytestmark = pytest.mark.unit_only
 
@@ -67,13 +67,8 @@ def test_torch_gate_edges():
 
 def test_every_recorded_fingerprint_matches_a_release(tmp_path):
     """No stale entries, none missing: the accepted fingerprints are exactly those of 0.14.1-0.15.4."""
-    seen = {t.qualname: set() for t in PATCH.targets}
-    for version in RELEASES:
-        if not SpecifierSet(PATCH.affected).contains(version) or not SpecifierSet(PATCH.supported).contains(version):
-            continue
-        locate = extract_modules("deepspeed", version, PATCH.modules, str(tmp_path / version))
-        for t in PATCH.targets:
-            seen[t.qualname].add(gating.fingerprint(locate(t.module), t.qualname))
+    seen = released_fingerprints(PATCH, [v for v in RELEASES if SpecifierSet(PATCH.affected).contains(v)
+                                         and SpecifierSet(PATCH.supported).contains(v)], tmp_path)
     for t in PATCH.targets:
         assert set(t.fingerprints) == seen[t.qualname], t
 

@@ -9,7 +9,7 @@ from packaging.specifiers import SpecifierSet
 
 from dspatch import data_dir, gating, registry
 
-from upstream_releases import extract_modules, sdist_versions
+from upstream_releases import extract_modules, released_fingerprints, sdist_versions
 
 pytestmark = pytest.mark.unit_only
 
@@ -61,11 +61,7 @@ def test_verdict_and_diff_for_release(version, tmp_path):
 
 def test_every_recorded_fingerprint_matches_a_release(tmp_path):
     """No stale entries, none missing: the accepted fingerprints are exactly those of the released sources."""
-    seen = {}
-    for version in RELEASES:
-        locate = extract_modules("deepspeed", version, PATCH.modules, str(tmp_path / version))
-        for t in PATCH.targets:
-            seen.setdefault(t.qualname, set()).add(gating.fingerprint(locate(t.module), t.qualname))
+    seen = released_fingerprints(PATCH, RELEASES, tmp_path)
     for t in PATCH.targets:
         assert set(t.fingerprints) == seen[t.qualname], t
 

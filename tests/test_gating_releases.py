@@ -9,7 +9,7 @@ from packaging.version import Version
 
 from dspatch import data_dir, gating, registry
 
-from upstream_releases import extract_modules, sdist_versions
+from upstream_releases import extract_modules, released_fingerprints, sdist_versions
 
 pytestmark = pytest.mark.unit_only
 
@@ -38,13 +38,7 @@ def test_verdict_for_release(version, tmp_path):
 
 def test_every_recorded_fingerprint_matches_a_release(tmp_path):
     """No stale entries: each accepted fingerprint is the source of at least one affected release."""
-    seen = {t.qualname: set() for t in PATCH.targets}
-    for version in RELEASES:
-        if Version(version) > Version("0.16.3"):
-            continue
-        locate = extract_modules("deepspeed", version, PATCH.modules, str(tmp_path / version))
-        for t in PATCH.targets:
-            seen[t.qualname].add(gating.fingerprint(locate(t.module), t.qualname))
+    seen = released_fingerprints(PATCH, [v for v in RELEASES if Version(v) <= Version("0.16.3")], tmp_path)
     for t in PATCH.targets:
         assert set(t.fingerprints) == seen[t.qualname], t
 

@@ -116,6 +116,18 @@ def extract_modules(project, version, modules, into):
     return found.get
 
 
+def released_fingerprints(patch, versions, into):
+    """{target qualname: set of its fingerprints} over the released sources of `versions`."""
+    from dspatch import gating
+
+    seen = {t.qualname: set() for t in patch.targets}
+    for version in versions:
+        locate = extract_modules(patch.distribution, version, patch.modules, os.path.join(str(into), version))
+        for t in patch.targets:
+            seen[t.qualname].add(gating.fingerprint(locate(t.module), t.qualname))
+    return seen
+
+
 def main(argv):
     import tempfile
 
