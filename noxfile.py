@@ -1,6 +1,6 @@
 """Test matrix over real upstream stacks (deepspeed + transformers + accelerate + trl, torch 2.13 CPU), plus a torch-free unit session.
 
-    nox                 unit + old + mid + latest (what CI runs)
+    nox                 unit + old + bridge + mid + latest + trl_tf5 (what CI runs)
     nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
@@ -8,7 +8,7 @@ import json
 
 import nox
 
-nox.options.sessions = ["unit", "old", "mid", "latest"]
+nox.options.sessions = ["unit", "old", "bridge", "mid", "latest", "trl_tf5"]
 nox.options.error_on_missing_interpreters = True
 
 # torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
@@ -16,25 +16,31 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 STACKS = {
     # rich: trl 0.11 forgets it; msgpack, einops: the released sources of later deepspeed bands run on this stack too
-    "old": ["deepspeed==0.14.4", "transformers==4.44.2", "accelerate==0.34.2", "trl==0.11.4", "rich", "msgpack", "einops"],
-    "mid": ["deepspeed==0.16.3", "transformers==4.57.6", "accelerate==1.10.1", "trl==1.12.0"],
-    "latest": ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0"],
+    "old": ["deepspeed==0.14.4", "transformers==4.44.2", "accelerate==0.34.2", "trl==0.11.4", "peft==0.12.0", "rich",
+            "msgpack", "einops"],
+    # the releases of early 2025 that many projects still pin (datasets 3.x: newer ones pull a hub client that
+    # this transformers cannot use)
+    "bridge": ["deepspeed==0.16.9", "transformers==4.46.3", "accelerate==1.8.1", "trl==0.15.2", "peft==0.14.0",
+               "datasets==3.2.0"],
+    "mid": ["deepspeed==0.16.3", "transformers==4.57.6", "accelerate==1.10.1", "trl==1.12.0", "peft==0.17.1"],
+    "latest": ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0", "peft==0.21.2"],
 }
+TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
 # Two workers: the tests are mostly subprocesses (fresh interpreters running deepspeed), one core each.
-XDIST = ["-n", "2", "--dist", "loadfile"]
+XDIST = ["-n", "2", "--dist", "loadfile", "--durations=15"]  # the slowest tests, to keep CI in its budget
 TEST_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def install_stack(session, name):
     session.install(TORCH)
     session.install(*STACKS[name])
-    session.install(".", "pytest", "pytest-xdist")  # dspatch as a user gets it: a wheel, with its .pth
+    session.install(".", *TEST_TOOLS)  # dspatch as a user gets it: a wheel, with its .pth
 
 
 @nox.session(python="3.11")
 def unit(session):
     """Registry, selection, --check without any target, activation cost, packaging, every release's verdict."""
-    session.install(".", "pytest", "pytest-xdist")
+    session.install(".", *TEST_TOOLS)
     # released sdists are cached outside the clone (~/.cache/dspatch/releases unless DSPATCH_RELEASE_CACHE says
     # otherwise), so a fresh clone, as CI makes, does not download them again
     session.run("pytest", "-m", "not stack", *XDIST, *session.posargs, env=TEST_ENV)
@@ -53,6 +59,20 @@ def stack_session(name):
 
 for _name in STACKS:
     globals()[_name] = stack_session(_name)
+
+# trl's last PPO trainer (1.12.0) on transformers 5.x, where its save under DeepSpeed fails at every ZeRO stage
+# (trl/ppo-deepspeed-save); accelerate 1.10.1 can still run DeepSpeed with 2 CPU processes
+TRL_TF5 = ["deepspeed==0.16.3", "transformers==5.23.0", "accelerate==1.10.1", "trl==1.12.0"]
+
+
+@nox.session(python="3.11")
+def trl_tf5(session):
+    """trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers 5.23.0 (torch 2.13 CPU)."""
+    session.install(TORCH)
+    session.install(*TRL_TF5)
+    session.install(".", "pytest")
+    session.run("pytest", "-m", "not unit_only", "tests/test_ppo_deepspeed_save.py", *session.posargs,
+                env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 
 @nox.session(python="3.11")

@@ -46,6 +46,6 @@ def revert(ids=None, force=False):
 
 def check(ids=None):
     """Verdict rows for every patch, as `python -m dspatch.apply --check --json` prints them."""
-    from dspatch import gating
+    from dspatch import status
 
-    return [row.as_dict() for row in gating.check_all(ids)]
+    return [row.as_dict() for row in status.check_all(ids)]

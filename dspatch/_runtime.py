@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from dspatch import gating, registry
+from dspatch import _hook, gating, registry
 
 _lock = threading.RLock()
 _active = False
@@ -41,9 +41,7 @@ _unsaid = []  # patches applied since the last summary line
 
 def _flush_applied(just_loaded=None):
     """One line for the patches applied during one top-level import (`import deepspeed` applies several)."""
-    from dspatch._boot import WATCHED
-
-    busy = any(top in sys.modules and not _module_ready(top, just_loaded) for top in WATCHED)
+    busy = any(top in sys.modules and not _module_ready(top, just_loaded) for top in _hook.WATCHED)
     if _unsaid and not busy:  # not while a watched package (deepspeed importing transformers...) is loading
         _say("applied " + ", ".join(_unsaid))
         _unsaid.clear()
@@ -70,6 +68,14 @@ def _module_ready(name, just_loaded=None):
         return True
     module = sys.modules.get(name)
     return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
+def notify(name):
+    """The import hook's callback: a failure of dspatch never breaks the user's import (unless strict)."""
+    try:
+        module_loaded(name)
+    except Exception as e:
+        _hook.report_failure(name, e, _strict)
 
 
 def module_loaded(name):
@@ -144,10 +150,7 @@ def activate(ids, strict, just_loaded=None):
             return {}
         _strict_failures.pop(SELECTION, None)
         _active = True
-        from dspatch import _boot
-
-        if _boot.finder() is None:
-            sys.meta_path.insert(0, _boot.PostImportFinder(_boot._notify))
+        _hook.install(notify)
         patches = registry.all_patches()
         for pid in chosen:
             if pid not in _applied:
@@ -260,10 +263,8 @@ def revert(ids=None, force=False):
                 old.rollback()
             _outcome.pop(pid, None)
         if ids is None:
-            from dspatch import _boot
-
             _pending.clear()
-            _boot.uninstall()
+            _hook.uninstall()
             _active = False
         return done
 

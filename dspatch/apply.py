@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import dspatch
-from dspatch import gating, registry
+from dspatch import gating, registry, status as report
 
 PROBLEMS = (gating.DRIFTED, gating.FAILED, gating.BROKEN)
 
@@ -28,14 +28,21 @@ def _env_summary(environ):
     return shown, state
 
 
-def _verify(patch):
+def _verify(patch, progress=None):
     """Run the reproducers on stock code and with the patch, each in a fresh interpreter."""
+    import time
+
     outcome = {}
     for mode, extra in (("stock", []), ("patched", ["--apply"])):
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSPATCH")}
         env["DS_ACCELERATOR"] = "cpu"  # the reproducers build CPU tensors
+        started = time.monotonic()
+        if progress:
+            progress(f"dspatch: --verify {patch.id}: {mode} ({len(patch.scenarios)} reproducers)...")
         proc = subprocess.run([sys.executable, "-m", "dspatch.verify", patch.id, *extra], env=env,
                               capture_output=True, text=True)
+        if progress:
+            progress(f"dspatch: --verify {patch.id}: {mode} done in {time.monotonic() - started:.0f} s")
         try:
             outcome[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
         except (IndexError, ValueError, KeyError):
@@ -52,7 +59,7 @@ def _verify(patch):
 
 def check(args):
     try:
-        rows = gating.check_all(args.only, source=_only_source(args))
+        rows = report.check_all(args.only, source=_only_source(args))
     except registry.SelectionError as e:
         print(f"dspatch: {e}", file=sys.stderr)
         return 2
@@ -62,7 +69,7 @@ def check(args):
     if args.verify:
         for row in rows:
             if row.verdict in (gating.APPLIES, gating.APPLIED):
-                ok, summary, outcome = _verify(row.patch)
+                ok, summary, outcome = _verify(row.patch, progress=lambda m: print(m, file=sys.stderr, flush=True))
                 verified[row.patch.id] = {"ok": ok, "summary": summary, "scenarios": outcome}
                 status = status or (0 if ok else 1)
     if args.json:
@@ -93,6 +100,10 @@ def check(args):
         if row.patch.id in verified:
             v = verified[row.patch.id]
             print(f"  verify: {'OK' if v['ok'] else 'FAILED'} ({v['summary']})")
+            stock, patched = v["scenarios"]["stock"], v["scenarios"]["patched"]
+            for name in dict.fromkeys([*stock, *patched]):  # what each reproducer saw, in the bug's own words
+                seen = stock.get(name, "not run").split("\n")[0]
+                print(f"    {name}: stock: {seen[:160]}; patched: {patched.get(name, 'not run').split(chr(10))[0][:160]}")
     return status
 
 

@@ -13,11 +13,11 @@ import shutil
 import subprocess
 import sys
 
-from dspatch import data_dir, gating
+from dspatch import data_dir, gating, status
 
 
 def _chosen(everything):
-    for row in gating.check_all():
+    for row in status.check_all():
         if everything:
             for relative in row.patch.diffs.values():
                 yield row, relative
@@ -25,6 +25,13 @@ def _chosen(everything):
             relative = row.patch.diff_for(row.version)
             if relative:
                 yield row, relative
+
+
+def _touches(diff, checkout):
+    """Whether a file the diff changes exists in the checkout (a deepspeed checkout holds no accelerate file)."""
+    with open(diff, encoding="utf-8") as f:
+        paths = [line[6:].strip() for line in f if line.startswith("--- a/")]
+    return any(os.path.exists(os.path.join(checkout, path)) for path in paths)
 
 
 def main(argv=None):
@@ -46,7 +53,10 @@ def main(argv=None):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(source, target)
             print(f"{row.patch.id}: {target}")
-        if args.check_against:
+        if args.check_against and not _touches(source, args.check_against):
+            print(f"{row.patch.id}: {relative}: skipped (its files are not in {args.check_against}: a checkout of "
+                  f"another project)")
+        elif args.check_against:
             proc = subprocess.run(["git", "apply", "--check", source], cwd=args.check_against,
                                   capture_output=True, text=True)
             ok = proc.returncode == 0

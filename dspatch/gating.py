@@ -13,7 +13,6 @@ import os
 import sys
 import tokenize
 
-from dspatch import registry
 
 APPLIES = "applies"
 APPLIED = "applied"
@@ -32,12 +31,14 @@ def installed_version(distribution):
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+    except (OSError, ValueError):  # unreadable metadata (bad bytes, a directory, no permission): a broken install
+        return None
 
 
 def _top_level_spec(name):
     """The spec of a top-level package from the finders on sys.meta_path (editable-install finders
     included), skipping dspatch's own hook. Finding a top-level spec imports nothing."""
-    from dspatch._boot import PostImportFinder
+    from dspatch._hook import PostImportFinder
 
     for finder in sys.meta_path:
         find = getattr(finder, "find_spec", None)
@@ -188,9 +189,13 @@ class Row:
                 "links": list(p.links), "diffs": dict(p.diffs)}
 
 
-def _source_mismatch(patch, locate):
-    """None when every target's source is a released one the patch knows; else why not."""
-    for target in patch.targets:
+def _source_mismatch(patch, locate, version=None):
+    """None when every target's source (of release `version`'s targets) is a released one the patch knows; else
+    why not."""
+    targets = patch.targets_for(version)
+    if not targets:
+        return f"no code of {patch.distribution} {version} is known to this patch (none of its targets' releases)"
+    for target in targets:
         path = locate(target.module)
         if path is None:
             return f"{target.module} not found in the installed {patch.distribution}"
@@ -213,10 +218,12 @@ def evaluate(patch, version=None, locate=module_file, others=None):
     downloaded releases, and `others` {distribution: version} for the distributions in `patch.requires`."""
     version = installed_version(patch.distribution) if version is None else version
     if version is None:
-        try:
-            found = locate(patch.modules[0])
-        except Exception:
-            found = None
+        found = None
+        for module in (patch.modules[0], patch.modules[0].partition(".")[0]):  # the target, or its package
+            try:
+                found = found or locate(module)
+            except Exception:
+                pass
         if found:  # its files are there, its metadata is not: say what is there, do not guess a release
             return None, BROKEN, (f"{patch.distribution}'s files are installed ({found}) but its metadata "
                                   f"(dist-info) is missing or unreadable, so its release cannot be told; left out")
@@ -249,7 +256,7 @@ def evaluate(patch, version=None, locate=module_file, others=None):
     if patch.supported and not SpecifierSet(patch.supported).contains(release):
         return version, UNSUPPORTED, (f"{patch.distribution} {version} has the bug, but this patch is written and "
                                       f"tested for {patch.supported} only; left out")
-    mismatch = _source_mismatch(patch, locate)
+    mismatch = _source_mismatch(patch, locate, version)
     if mismatch is None:
         note = "" if plain else ", and its source is that of a released version with the bug"
         for other, wanted in patch.requires.items():
@@ -276,27 +283,3 @@ def _has_fix(patch, locate):
         return path is not None and definition(path, qualname) is not None
     except (OSError, SyntaxError, UnicodeDecodeError):
         return False
-
-
-def check_all(ids=None, environ=None, source="dspatch.apply()"):
-    """Rows for every registered patch: environment verdict, then selection, then in-process state."""
-    from dspatch import _runtime  # light: imports wrapt only when a patch is applied
-
-    patches = registry.all_patches()
-    env = os.environ if environ is None else environ
-    active = ids is not None or registry.flag("DSPATCH", env)
-    if active:
-        _, left_out = registry.selection(ids, env, source)
-    else:
-        left_out = {}
-    rows = []
-    for pid, patch in patches.items():
-        version, verdict, reason = evaluate(patch)
-        state = _runtime.state_of(pid)
-        if state is not None:
-            verdict, reason = state
-        elif pid in left_out:
-            reason = f"{left_out[pid]} ({verdict}: {reason})"
-            verdict = DISABLED
-        rows.append(Row(patch, version, verdict, reason))
-    return rows

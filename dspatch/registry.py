@@ -3,7 +3,7 @@ import importlib
 import os
 
 from dspatch import patches as _patches_pkg
-from dspatch._boot import OFF_WORDS  # one list, shared with dspatch.pth's start-up check
+from dspatch._hook import OFF_WORDS  # one list, shared with dspatch.pth's start-up check
 
 ON_WORDS = {"1", "all", "true", "yes", "on"}
 

@@ -4,6 +4,7 @@ The recipe: DS_ACCELERATOR=cpu, the gloo backend, LOCAL_SIZE set (older ZeRO-3
 calls numactl without it), single-process rendezvous variables, and no JIT build of the shm comm op.
 Variables already set (by torchrun, or a GPU user running --verify) are kept.
 """
+import contextlib
 import importlib
 import os
 import socket
@@ -40,3 +41,26 @@ def zero3_config(**zero):
                                     "stage3_prefetch_bucket_size": 64, **zero},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
     return config
+
+
+@contextlib.contextmanager
+def loads_past_weights_only_bug(unless_applied="deepspeed/checkpoint-weights-only"):
+    """For reproducers that load checkpoints: deepspeed <= 0.15.4 (and old transformers' rng-state load) cannot
+    torch.load their own checkpoints on torch >= 2.6 (another bug, dspatch's deepspeed/checkpoint-weights-only).
+    Unless `unless_applied` is applied in this process, the loads inside use torch's own escape hatch
+    TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (no effect where the caller passes weights_only itself), so that a
+    reproducer shows its own bug and nothing else on every release."""
+    from dspatch import _runtime
+
+    if unless_applied and unless_applied in _runtime.applied_ids():
+        yield
+        return
+    before = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = before

@@ -5,12 +5,17 @@ class Target:
     """A function the patch replaces or wraps, and the fingerprints of its source as released.
 
     `qualname` is "Class.method" or "function" inside `module`. `fingerprints` maps the fingerprint of the
-    released source (see dspatch.gating.fingerprint) to the releases that shipped it."""
+    released source (see dspatch.gating.fingerprint) to the releases that shipped it.
 
-    def __init__(self, module, qualname, fingerprints):
+    `releases`: for code that moved between modules across releases, the PEP 440 specifier of the releases
+    that have it at this module (None: every release). A patch whose targets declare it gets, in each
+    release, the targets of that release only (see Patch.targets_for)."""
+
+    def __init__(self, module, qualname, fingerprints, releases=None):
         self.module = module
         self.qualname = qualname
         self.fingerprints = dict(fingerprints)
+        self.releases = releases
 
     def __repr__(self):
         return f"{self.module}:{self.qualname}"
@@ -35,6 +40,9 @@ class Patch:
       over every affected release's source, that no other function touches it).
     - `band_check`: the reproducer (cheapest that shows the bug) run on the released source of each diff band
       no test stack installs; default: the first of `expected_on_stock`.
+    - `signatures`: regular expressions, each matching one line of a log (traceback or message) that this bug
+      produces on stock upstream; `python -m dspatch.explain LOG` names the patch when one matches. Match the
+      bug's own words (exception type and message), not the ones of other failures.
     - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the
       installed file while the code that runs was rebuilt from it.
     - `in_use()`: optional; a reason why applying now (after its targets were imported and used) or reverting
@@ -43,14 +51,15 @@ class Patch:
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
                  diffs=None, scenarios=None, expected_on_stock=None, in_use=None, fixed_marker=None, note="",
-                 requires=None, renamed=None, band_check=None):
+                 requires=None, renamed=None, band_check=None, signatures=()):
         self.id = id
         self.summary = summary
         self.distribution = distribution
         self.affected = affected
         self.fixed_in = fixed_in
         self.supported = supported
-        self.targets = tuple(targets)
+        self.all_targets = tuple(targets)
+        self._installed_targets = None
         self.apply = apply
         self.links = tuple(links)
         self.diffs = dict(diffs or {})
@@ -65,6 +74,35 @@ class Patch:
         self.requires = dict(requires or {})
         self.renamed = renamed
         self.band_check = band_check or next(iter(self.expected_on_stock), None)
+        self.signatures = tuple(signatures)
+
+    def targets_for(self, version):
+        """The targets release `version` of the distribution has: those whose `releases` contain it, and those
+        without `releases`. Every target when `version` is None."""
+        if version is None or all(t.releases is None for t in self.all_targets):
+            return self.all_targets
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+
+        try:
+            parsed = Version(version)
+        except InvalidVersion:  # not a release: only the targets every release has
+            return tuple(t for t in self.all_targets if t.releases is None)
+        return tuple(t for t in self.all_targets
+                     if t.releases is None or SpecifierSet(t.releases).contains(parsed, prereleases=True))
+
+    @property
+    def targets(self):
+        """The targets of the installed release (targets_for its version, read once per process); every target
+        when the distribution is not installed or its release has none (the gate then says why)."""
+        if self._installed_targets is None:
+            found = self.all_targets
+            if any(t.releases is not None for t in found):
+                from dspatch.gating import installed_version
+
+                found = self.targets_for(installed_version(self.distribution)) or found
+            self._installed_targets = found
+        return self._installed_targets
 
     @property
     def modules(self):

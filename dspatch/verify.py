@@ -30,6 +30,10 @@ def run_scenarios(patch, only=None, until_failure=False):
             results[name] = "ok"
         except BugSeen as e:
             results[name] = f"bug: {e}"
+            # the whole traceback, upstream's own exception included: what a user's log shows
+            # (dspatch.explain is tested on these)
+            print(f"dspatch.verify: {name}: the bug shows", file=sys.stderr)
+            traceback.print_exception(e, file=sys.stderr)
         except Exception as e:  # an unexpected failure is neither "fixed" nor "reproduced"
             results[name] = f"error: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
     return results

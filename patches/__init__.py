@@ -10,4 +10,11 @@ MODULES = (
     "deepspeed.initialize_once",
     "deepspeed.checkpoint_weights_only",
     "deepspeed.frozen_param_names",
+    "accelerate.deepspeed_scheduler_param_groups",
+    "transformers.trainer_scheduler_after_deepspeed",
+    "trl.zero3_generation_hooks",
+    "accelerate.deepspeed_no_sync",
+    "transformers.peft_zero3_save",
+    "deepspeed.zero3_frozen_checkpointing",
+    "trl.ppo_deepspeed_save",
 )

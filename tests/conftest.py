@@ -31,17 +31,22 @@ def _stack_is_complete():
             assert importlib.util.find_spec(name), f"stack session {STACK!r} lacks {name}"
 
 
+# The environment the test run started with: what an in-process reproducer sets (rendezvous variables, a free
+# MASTER_PORT) must neither leak into later subprocesses nor defeat the memo of verify() below.
+_START_ENV = dict(os.environ)
+
+
 def clean_env(**extra):
-    """This environment without any DSPATCH* variable, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPATCH")}
+    """The test run's starting environment without any DSPATCH* variable, plus `extra`."""
+    env = {k: v for k, v in _START_ENV.items() if not k.startswith(("DSPATCH", "PYTEST_"))}  # (xdist's differ per worker)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
-def run_python(args, env=None, check=True, timeout=900, cwd=None):
+def run_python(args, env=None, check=True, timeout=900, cwd=None, input=None):
     """Run this interpreter in a neutral directory, so that it uses dspatch as installed, not the checkout."""
     proc = subprocess.run([sys.executable, *args], env=clean_env() if env is None else env, capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd or tempfile.gettempdir())
+                          text=True, timeout=timeout, cwd=cwd or tempfile.gettempdir(), input=input)
     if check and proc.returncode != 0:
         raise AssertionError(f"python {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
@@ -60,10 +65,47 @@ def verify(patch_id, env, *extra):
     the installed stack asked for twice in a session (a patch's own test and the shared proofs) runs once."""
     if "PYTHONPATH" in env:  # a copy of upstream, which the test may change between runs: always run
         return last_json(run_python(["-m", "dspatch.verify", patch_id, *extra], env=env))
+    return json.loads(json.dumps(_verify_run(patch_id, env, *extra)[0]))  # a copy: callers may change it
+
+
+def _verify_run(patch_id, env, *extra):
     key = (patch_id, tuple(sorted(env.items())), extra)
     if key not in _verified:
-        _verified[key] = last_json(run_python(["-m", "dspatch.verify", patch_id, *extra], env=env))
-    return json.loads(json.dumps(_verified[key]))  # a copy: callers may change it
+        _verified[key] = _shared_between_workers(key, lambda: run_python(["-m", "dspatch.verify", patch_id, *extra],
+                                                                         env=env))
+    return _verified[key]
+
+
+def _shared_between_workers(key, run):
+    """(result JSON, stderr) of `run`, computed once per test run even across pytest-xdist workers: a patch's own
+    tests and test_proofs.py often land on different workers and ask for the same stock run. The first worker
+    runs it under a file lock; the others wait for it and read its result."""
+    import fcntl
+    import hashlib
+
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id:
+        proc = run()
+        return last_json(proc), proc.stderr
+    folder = os.path.join(tempfile.gettempdir(), f"dspatch-verify-{run_id}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, hashlib.sha256(repr(key).encode()).hexdigest()[:24])
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path + ".json"):
+            with open(path + ".json") as f:
+                return tuple(json.load(f))
+        proc = run()
+        result = (last_json(proc), proc.stderr)
+        with open(path + ".json.part", "w") as f:
+            json.dump(result, f)
+        os.replace(path + ".json.part", path + ".json")
+        return result
+
+
+def verify_log(patch_id, env, *extra):
+    """What the same (memoised) verify run wrote to stderr: the tracebacks of the bugs it saw."""
+    return _verify_run(patch_id, env, *extra)[1]
 
 
 def deepspeed_version():
@@ -81,3 +123,20 @@ def deepspeed_copy(tmp_path):
     site = tmp_path / "site"
     shutil.copytree(source, site / "deepspeed", ignore=shutil.ignore_patterns("__pycache__"))
     return str(site), str(site / "deepspeed")
+
+
+@pytest.fixture
+def package_copy(tmp_path):
+    """A factory: package_copy("transformers") copies that installed top-level package into a private site
+    directory and returns (directory for PYTHONPATH, package dir). Call it once per package the diff touches,
+    all land in the same site directory."""
+    from dspatch.gating import module_file
+
+    site = tmp_path / "site"
+
+    def copy(package):
+        source = os.path.dirname(module_file(package))
+        shutil.copytree(source, site / package, ignore=shutil.ignore_patterns("__pycache__"))
+        return str(site), str(site / package)
+
+    return copy

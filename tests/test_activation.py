@@ -34,7 +34,7 @@ def test_the_pth_and_the_registry_agree_on_off_words():
 
 def test_set_installs_only_the_tiny_hook():
     # no wrapt, no packaging, no patch machinery until a watched package is imported
-    assert _loaded(clean_env(DSPATCH="1")) == ["dspatch", "dspatch._boot"]
+    assert _loaded(clean_env(DSPATCH="1")) == ["dspatch", "dspatch._boot", "dspatch._hook"]
 
 
 @pytest.mark.stack
@@ -96,4 +96,4 @@ def test_dspatch_1_at_start_up_imports_nothing_beyond_the_hook():
     code = "import sys, json; print(json.dumps(sorted(sys.modules)))"
     before = set(json.loads(run_python(["-c", code], env=clean_env()).stdout))
     after = set(json.loads(run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout))
-    assert after - before == {"dspatch", "dspatch._boot"}, after - before
+    assert after - before == {"dspatch", "dspatch._boot", "dspatch._hook"}, after - before

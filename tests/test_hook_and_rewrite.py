@@ -9,7 +9,7 @@ from conftest import clean_env, run_python
 HOOK_PROBE = r'''
 import json, sys, importlib, importlib.util
 sys.path.insert(0, sys.argv[1])
-from dspatch._boot import PostImportFinder
+from dspatch._hook import PostImportFinder
 seen = []
 finder = PostImportFinder(seen.append, watched=("fakepkg",))
 sys.meta_path.insert(0, finder)

@@ -28,7 +28,7 @@ def _site_entries(python):
 
 
 def _activation(python):
-    code = "import sys, json; print(json.dumps([m for m in sys.modules if m.startswith('dspatch')]))"
+    code = "import sys, json; print(json.dumps(sorted(m for m in sys.modules if m.startswith('dspatch'))))"
     run = lambda env: json.loads(subprocess.run([python, "-c", code], env=env, check=True, capture_output=True,
                                                 text=True, cwd="/").stdout)
     return run(clean_env()), run(clean_env(DSPATCH="1"))
@@ -59,7 +59,7 @@ def test_wheel_install_activate_uninstall(tmp_path):
     _pip(python, str(wheel))
     assert sorted(_site_entries(python))[:2] == ["dspatch", "dspatch-0.1.0.dist-info"]
     assert "dspatch.pth" in _site_entries(python)
-    assert _activation(python) == ([], ["dspatch", "dspatch._boot"])
+    assert _activation(python) == ([], ["dspatch", "dspatch._boot", "dspatch._hook"])
     report = _check_json(python)
     assert report["patches"][0]["verdict"] == "not installed"
     _uninstall(python)
@@ -69,7 +69,7 @@ def test_wheel_install_activate_uninstall(tmp_path):
 def test_editable_install_activate_uninstall(tmp_path):
     python = _venv(tmp_path / "venv")
     _pip(python, "-e", ROOT)
-    assert _activation(python) == ([], ["dspatch", "dspatch._boot"])
+    assert _activation(python) == ([], ["dspatch", "dspatch._boot", "dspatch._hook"])
     code = "import dspatch.patches.deepspeed.zero3_module_id as m, os; print(m.__file__)"
     out = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True, cwd="/").stdout
     assert out.strip() == os.path.join(ROOT, "patches", "deepspeed", "zero3_module_id.py")

@@ -132,3 +132,44 @@ def test_ci_runs_the_readme_test_command():
     command = readme.split("<!-- test-command -->\n", 1)[1].splitlines()[0].strip()
     assert command.endswith("python3 -m nox")
     assert "test-command" in open(os.path.join(ROOT, ".ci", "run")).read()
+
+
+def test_dspatch_modules_import_each_other_one_way():
+    """No cycle among dspatch's own modules, counting imports inside functions too: _hook at the bottom, _boot
+    (the start-up entry) and the command-line modules at the top."""
+    import ast
+    import os
+
+    import dspatch
+
+    package = os.path.dirname(dspatch.__file__)
+    graph = {}
+    for name in sorted(os.listdir(package)):
+        if not name.endswith(".py") or name == "__init__.py":
+            continue
+        module = name[:-3]
+        tree = ast.parse(open(os.path.join(package, name)).read())
+        uses = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "dspatch":
+                uses.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dspatch."):
+                uses.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                uses.update(a.name.split(".")[1] for a in node.names if a.name.startswith("dspatch."))
+        graph[module] = {u for u in uses if u != module and os.path.exists(os.path.join(package, u + ".py"))}
+
+    def cycle_from(start, path):
+        for nxt in graph.get(path[-1], ()):
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in path:
+                found = cycle_from(start, path + [nxt])
+                if found:
+                    return found
+        return None
+
+    cycles = [c for c in (cycle_from(m, [m]) for m in graph) if c]
+    assert not cycles, cycles
+    assert graph["_hook"] == set() and graph["gating"] <= {"_hook"}, graph
+    assert not any("_boot" in uses for uses in graph.values()), graph

@@ -26,9 +26,12 @@ def test_two_ranks_patched_equal_stock_bit_for_bit(tmp_path):
     stock = _torchrun(tmp_path / "stock", clean_env())
     patched = _torchrun(tmp_path / "patched", clean_env(DSPATCH="1"))
     # every patch that applies to this stack, all active, on a job that hits none of their bugs
-    expected = [pid for pid, p in registry.all_patches().items() if gating.evaluate(p)[1] == gating.APPLIES]
+    # (the deepspeed ones: the job imports no Trainer, no trl)
+    expected = [pid for pid, p in registry.all_patches().items()
+                if p.distribution == "deepspeed" and gating.evaluate(p)[1] == gating.APPLIES]
     for s, p in zip(stock, patched):
-        assert s["applied"] == [] and sorted(p["applied"]) == sorted(expected), (s["rank"], p["applied"])
+        applied = sorted(pid for pid in p["applied"] if pid.startswith("deepspeed/"))
+        assert s["applied"] == [] and applied == sorted(expected), (s["rank"], p["applied"])
         assert p["losses"] == s["losses"], f"rank {s['rank']}: patched losses differ from stock"
         assert len(set(s["losses"])) > 1  # it trained
     assert stock[0]["losses"] != stock[1]["losses"]  # ranks saw different data: two real processes

@@ -107,6 +107,8 @@ def extract_modules(project, version, modules, into):
     with tarfile.open(sdist(project, version)) as tar:
         for member in tar.getmembers():
             relative = member.name.split("/", 1)[-1]
+            if relative.startswith("src/") and relative[4:] in wanted:  # accelerate, transformers: a src/ layout
+                relative = relative[4:]
             if relative in wanted and member.isfile():
                 target = os.path.join(into, relative)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -114,6 +116,46 @@ def extract_modules(project, version, modules, into):
                     dst.write(src.read())
                 found[wanted[relative]] = target
     return found.get
+
+
+def release_files(project, version, files):
+    """{relative path under src/: path of the file as released}, read from the sdist once into the cache."""
+    base = os.path.join(CACHE, "src-files", f"{project}-{version}")
+    out = {f: os.path.join(base, f) for f in files}
+    if all(os.path.exists(p) for p in out.values()):
+        return out
+    want = {f"src/{f}": f for f in files}
+    with tarfile.open(sdist(project, version), "r|gz") as tar:
+        for member in tar:
+            relative = member.name.split("/", 1)[-1]
+            if relative in want and member.isfile():
+                path = out[want.pop(relative)]
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with tar.extractfile(member) as src, open(path + ".part", "wb") as dst:
+                    dst.write(src.read())
+                os.replace(path + ".part", path)
+                if not want:
+                    break
+    missing = [f for f, p in out.items() if not os.path.exists(p)]
+    assert not missing, (project, version, missing)
+    return out
+
+
+def wheel(project, version):
+    """The release's pure-Python wheel, for releases published without an sdist (trl 0.9.2-0.9.6, 0.12.1):
+    downloaded through the configured index, checked against its sha256 and cached like the sdists."""
+    name = f"{project}-{version}-py3-none-any.whl"
+    path = os.path.join(CACHE, name)
+    if not os.path.exists(path):
+        entry = next(f for f in _index(project)["files"] if f["filename"] == name)
+        with urllib.request.urlopen(urllib.parse.urljoin(f"{_index_url()}{project}/", entry["url"]), timeout=300) as r:
+            data = r.read()
+        assert hashlib.sha256(data).hexdigest() == entry["hashes"]["sha256"], name
+        os.makedirs(CACHE, exist_ok=True)
+        with open(path + ".part", "wb") as f:
+            f.write(data)
+        os.replace(path + ".part", path)
+    return path
 
 
 def released_fingerprints(patch, versions, into):

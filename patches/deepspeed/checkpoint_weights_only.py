@@ -308,6 +308,8 @@ PATCH = Patch(
         "resume_zero_stages": "load_checkpoint: UnpicklingError: Weights only load failed at ZeRO stage 1",
         "zero_to_fp32_module": "get_fp32_state_dict_from_zero_checkpoint: UnpicklingError: Weights only load failed",
         "universal_checkpoint": "load_checkpoint of a universal checkpoint: UnpicklingError: Weights only load failed"},
+    # torch's refusal, raised from one of deepspeed's loaders
+    signatures=((r"File \".*deepspeed[/\\].*\.py\", line \d+", r"UnpicklingError: Weights only load failed"),),
     note=("the four loaders keep their objects, names and line numbers but run code rebuilt from the installed "
           "file with `weights_only=False` added to its torch.load call; only load checkpoints you trust "
           "(a pickle can run code), as with upstream >= 0.16.0"),

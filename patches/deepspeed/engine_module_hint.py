@@ -150,10 +150,10 @@ def expect_hint(engine, kind, name="model"):
         getattr(engine, name)
     except AttributeError as e:
         text = str(e)
+        if text == stock:  # chained: the traceback shows upstream's own AttributeError, as a user's log does
+            raise BugSeen(f"AttributeError: {text} (no word of `engine.module` or {kind})") from e
     else:
         raise AssertionError(f"engine.{name} resolved: the scenario needs a model without `.{name}`")
-    if text == stock:
-        raise BugSeen(f"AttributeError: {text} (no word of `engine.module` or {kind})")
     ask = ": did you mean `engine.module`?" if name == "model" else "."
     wanted = f"{stock}. The model this engine wraps ({kind}) is `engine.module`{ask}"
     if text != wanted:
@@ -199,6 +199,8 @@ PATCH = Patch(
     expected_on_stock={"gpt2_engine_model": "AttributeError: 'DeepSpeedEngine' object has no attribute 'model' (no",
                        "reward_engine_model": "AttributeError: 'DeepSpeedEngine' object has no attribute 'model' (no",
                        "pipeline_engine_model": "AttributeError: 'PipelineEngine' object has no attribute 'model' (no"},
+    # any attribute a user expected on the engine (`model` is DeepSpeed-Chat's), in the message of every release
+    signatures=(r"AttributeError: '(DeepSpeed|Pipeline)Engine' object has no attribute '\w+'$",),
     note=("DeepSpeedEngine.__getattr__ keeps its object, name and line numbers but runs code rebuilt from the "
           "installed file whose AttributeError message adds where the model is; successful lookups run "
           "upstream's bytecode unchanged"),

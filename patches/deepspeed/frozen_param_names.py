@@ -36,7 +36,6 @@ values under its name.
 The upstream form is `upstream_prs/deepspeed/0004-*.patch` (a `_refresh_param_names` method called from the
 same three places).
 """
-import contextlib
 import os
 
 from dspatch.spec import BugSeen, Patch, Target
@@ -207,31 +206,15 @@ def _save(engine, path, tag="t"):
         raise BugSeen(f"save_checkpoint: ValueError: {str(e).split(' Parameter')[0]}") from e
 
 
-@contextlib.contextmanager
-def _loads_past_other_bug():
-    """deepspeed <= 0.15.4 on torch >= 2.6 cannot torch.load its own checkpoints at all (another bug, fixed by
-    dspatch's deepspeed/checkpoint-weights-only). Unless that patch is applied, the loads here use torch's own
-    escape hatch TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (no effect where deepspeed passes weights_only itself), so
-    that these reproducers show this bug and nothing else on every release."""
-    from dspatch import _runtime
+def _loads_past_weights_only_bug():
+    from dspatch.scenario import loads_past_weights_only_bug
 
-    if "deepspeed/checkpoint-weights-only" in _runtime.applied_ids():
-        yield
-        return
-    before = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
-        else:
-            os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = before
+    return loads_past_weights_only_bug()
 
 
 def _load(engine, path, tag="t"):
     try:
-        with _loads_past_other_bug():
+        with _loads_past_weights_only_bug():
             engine.load_checkpoint(path, tag=tag)
     except ValueError as e:
         if "failed to find frozen" not in str(e):
@@ -354,7 +337,7 @@ def accelerate_set_module_tensor():
         with torch.no_grad():
             for p in module.parameters():
                 p.data.add_(1.0)  # changed in between
-        with _loads_past_other_bug():
+        with _loads_past_weights_only_bug():
             accelerator.load_state(os.path.join(path, "s"))
     _same(saved, snapshot(engine), "accelerate load_state")
     AcceleratorState._reset_state(True)
@@ -385,6 +368,7 @@ PATCH = Patch(
                        "load_after_replacement": "load_checkpoint: ValueError: failed to find frozen",
                        "trainable_replaced_refused": "a replaced trainable weight was saved silently",
                        "accelerate_set_module_tensor": "save_state: ValueError: failed to find frozen"},
+    signatures=(r"ValueError: failed to find frozen ",),
     note=("open upstream (issue 6620; PR 6626 unmerged): gated by the source of its targets, not by a release. "
           "Three DeepSpeedEngine checkpoint methods keep their objects, names and line numbers but run code rebuilt "
           "from the installed file with one added first statement that refreshes engine.param_names"),

@@ -268,6 +268,10 @@ PATCH = Patch(
     expected_on_stock={"user_id_survives": "expert ids [0, 1, 2, 3] became",
                        "placement_during_training": "IndexError: pop from an empty deque",
                        "module_order_changes": "expert ids [0, 1, 2, 3] became"},
+    # the crash half (the overwritten ids themselves are silent): the prefetch bookkeeping, keyed by `.id`
+    signatures=((r"partitioned_param_coordinator\.py.* in (record_parameters|construct_parameter_trace_from_module_trace"
+                 r"|fetch_sub_module|__ongoing_fetch_events|get_params_to_prefetch)",
+                 r"IndexError: pop from an empty deque"),),
     in_use=zero3_engines_alive,
     fixed_marker=(OFFLOAD, "DeepSpeedZeRoOffload._register_deepspeed_module"),  # PR 6847's new name
     # every function of deepspeed that touches an attribute `.id`, in every release 0.14.0-0.16.3, is a target,

@@ -1,0 +1,112 @@
+"""transformers/trainer-scheduler-after-deepspeed against the real Trainer + accelerate + deepspeed of this stack
+(nox sessions old, bridge, mid: transformers 4.44.2, 4.46.3, 4.57.6; latest has 5.23.0, fixed upstream).
+
+Each reproducer compares the learning rate of every param group at every step (6 steps, linear warm-up over 4)
+with the same Trainer without DeepSpeed. Stock reproduces exactly (torch 2.13: zip()'s ValueError at the first
+lr_scheduler.step() when the no-decay group is empty, also in the run that writes the checkpoint to resume from),
+while the optimizer/scheduler from the DeepSpeed config (DummyOptim / DummyScheduler) already work; DSPATCH=<id>
+fixes both, resuming included; the upstream diff (the backport) applied to a copy of the installed transformers does
+the same with no monkeypatch; a job that hits no bug stays stock (losses and learning rates bit-identical, with and
+without DeepSpeed). 5.1.0's own regression is covered statically (tests/test_gating_*: the transform and the diff
+give the same code on 5.1.0's source): 5.1.0 cannot be imported with this project's stacks.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+
+from dspatch import data_dir, gating, registry
+
+from conftest import clean_env, run_python, verify
+
+pytestmark = pytest.mark.stack
+
+PID = "transformers/trainer-scheduler-after-deepspeed"
+PATCH = registry.all_patches()[PID]
+ZIP = "ValueError: zip() argument 2 is longer than argument 1"
+STOCK = {"frozen_no_decay_group": f"bug: Trainer.train: lr_scheduler.step(): {ZIP}",
+         "optimizer_or_scheduler_from_ds_config": "ok",
+         "resume_from_checkpoint": f"bug: Trainer.train: lr_scheduler.step(): {ZIP}"}
+ALL_OK = {name: "ok" for name in PATCH.scenarios}
+
+
+def _version():
+    return gating.installed_version("transformers")
+
+
+def _applies():
+    verdict = gating.evaluate(PATCH)[1]
+    if verdict != gating.APPLIES:
+        assert verdict == gating.FIXED_UPSTREAM and _version().split(".")[0] == "5", (_version(), verdict)
+        pytest.skip(f"transformers {_version()}: {verdict} (5.2.0)")
+
+
+def test_this_stack_verdict():
+    verdict = gating.evaluate(PATCH)[1]
+    assert verdict == (gating.FIXED_UPSTREAM if _version().startswith("5.") else gating.APPLIES)
+
+
+def test_stock_upstream_reproduces_exactly():
+    _applies()
+    outcome = verify(PID, clean_env())
+    assert outcome["applied"] == [] and outcome["results"] == STOCK
+
+
+def test_dspatch_env_fixes_it():
+    _applies()
+    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID))
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
+    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
+    assert len(said) == 1 and f"{PID} (transformers {_version()})" in said[0], said
+
+
+def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
+    _applies()
+    site, _ = package_copy("transformers")
+    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(_version()))
+    subprocess.run(["git", "apply", "-p2", "--check", diff], cwd=site, check=True)
+    subprocess.run(["git", "apply", "-p2", diff], cwd=site, check=True)
+    outcome = verify(PID, clean_env(PYTHONPATH=site))
+    assert outcome["applied"] == [] and outcome["results"] == ALL_OK
+
+
+# One interpreter: stock, then dspatch.apply() (late: transformers is imported already), then the same jobs again.
+OBSERVE = r'''
+import json
+import dspatch
+from dspatch.patches.transformers import trainer_scheduler_after_deepspeed as T
+
+def job(deepspeed, freeze_norms=False):
+    lrs, losses, trainer = T.run_trainer(deepspeed, freeze_norms=freeze_norms)
+    return {"lrs": {str(k): v for k, v in lrs.items()}, "losses": losses,
+            "scheduler": type(trainer.lr_scheduler).__name__, "groups": len(trainer.optimizer.param_groups)}
+
+report = {}
+T.run_trainer(T.ds_config(), freeze_norms=False)  # deepspeed <= 0.16 trains the first engine of a process differently
+def jobs():
+    return {"plain": job(None), "zero2": job(T.ds_config()),
+            # scheduler (and optimizer) from the DeepSpeed config, with the empty no-decay group
+            "ds scheduler": job(T.ds_config(scheduler=True), True),
+            "ds optimizer and scheduler": job(T.ds_config(optimizer=True, scheduler=True), True)}
+
+report["stock"] = jobs()
+report["late apply"] = dspatch.apply([T.PID], strict=True)[T.PID][0]
+report["patched"] = jobs()
+print("R " + json.dumps(report))
+'''
+
+
+def test_jobs_without_the_bug_stay_stock():
+    """Nothing frozen (no empty group), with and without DeepSpeed, and the scheduler (and optimizer) from the
+    DeepSpeed config with the empty group: losses and every learning rate bit-identical to stock, the Trainer's
+    scheduler the same kind of object."""
+    _applies()
+    proc = run_python(["-c", OBSERVE])
+    report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
+    assert report["late apply"] == gating.APPLIED
+    assert report["patched"] == report["stock"]
+    assert report["stock"]["zero2"]["groups"] == 2 and report["stock"]["zero2"]["scheduler"] == "LambdaLR"
+    assert report["stock"]["zero2"]["lrs"] == report["stock"]["plain"]["lrs"]
+    assert report["stock"]["ds scheduler"]["scheduler"] == "DeepSpeedSchedulerWrapper"
