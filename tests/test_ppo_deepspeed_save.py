@@ -125,6 +125,9 @@ else:
                                for name in names if name.endswith((".safetensors", "config.json", "tokenizer.json")))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(report, f)
+# leave together: a rank that exits while the other still checks its files can take gloo down with SIGABRT
+dist.barrier()
+dist.destroy_process_group()
 '''
 
 
