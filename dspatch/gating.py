@@ -10,6 +10,7 @@ import importlib.machinery
 import importlib.metadata
 import io
 import os
+import re
 import sys
 import tokenize
 
@@ -74,17 +75,106 @@ def module_file(module_name):
 
 
 _parsed = {}
+_read = {}
+_ends = {}
+
+
+def _lines(path):
+    """(source, lines as the parser counts them, index of the lines that start a definition)."""
+    key = (path, os.stat(path).st_mtime_ns)
+    if key not in _read:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        # str.splitlines would also split at \x0c, \x85, \u2028 ...
+        lines = [line.rstrip("\r\n") for line in io.StringIO(source, newline=None).readlines()]
+        _read[key] = (source, lines, _index(lines))
+    return _read[key]
 
 
 def _parse(path):
     key = (path, os.stat(path).st_mtime_ns)
     if key not in _parsed:
-        with open(path, encoding="utf-8") as f:
-            source = f.read()
-        # lines as the parser counts them (str.splitlines would also split at \x0c, \x85, \u2028 ...)
-        lines = [line.rstrip("\r\n") for line in io.StringIO(source, newline=None).readlines()]
+        source, lines, _ = _lines(path)
         _parsed[key] = (lines, ast.parse(source, path))
     return _parsed[key]
+
+
+# Finding one definition without parsing its whole file (target files run to thousands of lines, and parsing
+# them was most of what `--check` cost): the definition is located by its lines, then only its own lines are
+# parsed, and the result is trusted only if they parse as exactly that one definition and what stands right
+# above it is the previous definition or the enclosing header (nothing that could be part of a decorator).
+# Anything else (a header over several lines, a string that breaks the indentation, a statement or a bracket
+# right above) answers None and the caller parses the whole file: this makes lookups faster, never different
+# (tested on every definition of the standard library and of the stacks' packages).
+_DEF = re.compile(r"([ \t]*)(?:async[ \t]+def|def|class)[ \t]+(\w+)")
+
+
+def _index(lines):
+    return [(i, m.group(1), m.group(2)) for i, line in enumerate(lines) for m in [_DEF.match(line)] if m]
+
+
+def _meaningful(line):
+    stripped = line.strip()
+    return bool(stripped) and not stripped.startswith("#")
+
+
+def _width(line):
+    return len(line) - len(line.lstrip())
+
+
+def _block_end(lines, start, ends):
+    """Index of the last meaningful line of the block whose header is lines[start]."""
+    if start not in ends:
+        width, end = _width(lines[start]), start
+        for i in range(start + 1, len(lines)):
+            if _meaningful(lines[i]):
+                if _width(lines[i]) <= width:
+                    break
+                end = i
+        ends[start] = end
+    return ends[start]
+
+
+def _quick_segment(lines, qualname, index=None, ends=None):
+    """(first line number, lines) of a definition, or None when its lines alone do not tell for sure."""
+    index = _index(lines) if index is None else index
+    ends = {} if ends is None else ends
+    lo, hi, indent = 0, len(lines), ""
+    parts = qualname.split(".")
+    for depth, part in enumerate(parts):
+        inside = [hit for hit in index if lo <= hit[0] < hi]
+        if depth:  # a class body: its own definitions are the least indented ones inside it
+            inside = [hit for hit in inside if len(hit[1]) > len(indent)]
+            if not inside:
+                return None
+            indent = min((hit[1] for hit in inside), key=len)
+        found = [i for i, ws, name in inside if ws == indent and name == part]
+        if not found:
+            return None
+        start = found[-1]  # the last one binds the name
+        lo, hi = start + 1, _block_end(lines, start, ends) + 1
+    first = start
+    for i in range(start - 1, -1, -1):  # decorators: '@' lines at the definition's indentation right above it
+        line = lines[i]
+        if not _meaningful(line) or _width(line) > len(indent):
+            continue
+        if _width(line) == len(indent) and line.lstrip().startswith("@"):
+            first = i
+        elif _width(line) < len(indent) or _DEF.match(line):
+            break  # the enclosing header, or the previous definition
+        else:
+            return None  # a statement or a bracket: it could be part of a decorator
+    try:  # an indented definition parses as the body of `if 1:`
+        tree = ast.parse(("if 1:\n" if indent else "") + "\n".join(lines[first:hi]) + "\n")
+    except (SyntaxError, ValueError):
+        return None
+    body = tree.body[0].body if indent else tree.body
+    if len(tree.body) != 1 or len(body) != 1 or getattr(body[0], "name", None) != parts[-1] \
+            or not isinstance(body[0], (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    node, shift = body[0], (1 if indent else 0)
+    node_first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - shift
+    return first + node_first, lines[first + node_first - 1:first + node.end_lineno - shift]
 
 
 def find_definition(tree, qualname):
@@ -106,6 +196,10 @@ def definition(path, qualname):
 
 def source_segment(path, qualname):
     """(first line number, lines) of a definition, decorators included; None when it is not there."""
+    _, lines, index = _lines(path)
+    quick = _quick_segment(lines, qualname, index, _ends.setdefault((path, os.stat(path).st_mtime_ns), {}))
+    if quick is not None:
+        return quick
     lines, tree = _parse(path)
     node = find_definition(tree, qualname)
     if node is None:
@@ -280,6 +374,6 @@ def _has_fix(patch, locate):
     module, qualname = patch.fixed_marker
     path = locate(module)
     try:
-        return path is not None and definition(path, qualname) is not None
+        return path is not None and source_segment(path, qualname) is not None
     except (OSError, SyntaxError, UnicodeDecodeError):
         return False

@@ -4,10 +4,12 @@ The recipe: DS_ACCELERATOR=cpu, the gloo backend, LOCAL_SIZE set (older ZeRO-3
 calls numactl without it), single-process rendezvous variables, and no JIT build of the shm comm op.
 Variables already set (by torchrun, or a GPU user running --verify) are kept.
 """
+import atexit
 import contextlib
 import importlib
 import os
 import socket
+import sys
 
 
 def _free_port():
@@ -28,11 +30,24 @@ def init_deepspeed():
     import torch.distributed
 
     if not torch.distributed.is_initialized():
+        atexit.register(leave_distributed)
         if os.environ["DS_ACCELERATOR"] == "cpu":
             # the shm op is a 90-115 s JIT build on 2 cores and only speeds up CPU collectives
             importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="gloo" if os.environ["DS_ACCELERATOR"] == "cpu" else None)
     return deepspeed
+
+
+def leave_distributed():
+    """Destroy the default process group, if any, before the interpreter exits: left to interpreter teardown,
+    gloo's threads can abort the process ("terminate called without an active exception", exit -6) after all
+    its work is done, as seen under load."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    except Exception:  # leaving must not turn a finished run into a failure
+        pass
 
 
 def zero3_config(**zero):

@@ -85,17 +85,20 @@ def main(argv=None):
 
     import dspatch
     from dspatch import _runtime, registry
+    from dspatch.scenario import leave_distributed
 
     patch = registry.all_patches().get(args.patch_id)
     if patch is None:
         parser.error(f"unknown patch id {args.patch_id!r}; known ids: {', '.join(registry.all_patches())}")
     if args.leave_out_each:
-        print(json.dumps({"left_out": leave_out_each(patch)}))
+        print(json.dumps({"left_out": leave_out_each(patch)}), flush=True)
+        leave_distributed()
         return 0
     if args.apply:
         dspatch.apply([args.patch_id], strict=True)
     results = run_scenarios(patch, args.only)
-    print(json.dumps({"applied": _runtime.applied_ids(), "results": results}))
+    print(json.dumps({"applied": _runtime.applied_ids(), "results": results}), flush=True)
+    leave_distributed()  # whichever code made the process group (DeepSpeed, accelerate, the Trainer)
     return 0
 
 

@@ -140,3 +140,20 @@ def package_copy(tmp_path):
         return str(site), str(site / package)
 
     return copy
+
+
+def apply_upstream_diff(patch, version, tree):
+    """`git apply --check`, then `git apply`, of `patch`'s upstream_prs/ diff for `version` onto `tree` (a copy
+    of the installed packages, laid out as site-packages: a diff written against the repository's src/ layout
+    is applied with that level stripped). Returns the diff's path."""
+    from dspatch import data_dir
+
+    relative = patch.diff_for(version)
+    assert relative, f"no upstream diff of {patch.id} covers {version}"
+    diff = os.path.join(data_dir("upstream_prs"), relative)
+    with open(diff) as f:
+        src_layout = "\n--- a/src/" in "\n" + f.read()
+    strip = "-p2" if src_layout and not os.path.isdir(os.path.join(tree, "src")) else "-p1"
+    subprocess.run(["git", "apply", strip, "--check", diff], cwd=tree, check=True)
+    subprocess.run(["git", "apply", strip, diff], cwd=tree, check=True)
+    return diff

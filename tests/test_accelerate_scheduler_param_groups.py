@@ -8,14 +8,12 @@ the same with no monkeypatch; a job whose optimizer has no empty group stays sto
 bit-identical, the scheduler's lists untouched). Leaving out the target and drifting it: test_proofs.py.
 """
 import json
-import os
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import clean_env, run_python, verify
+from conftest import apply_upstream_diff, clean_env, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -50,9 +48,7 @@ def test_dspatch_env_fixes_it():
 
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
     site, _ = package_copy("accelerate")
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(_version()))
-    subprocess.run(["git", "apply", "-p2", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", "-p2", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, _version(), site)
     outcome = verify(PID, clean_env(PYTHONPATH=site))
     assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 

@@ -16,14 +16,13 @@ drift caught in a running process.)
 """
 import json
 import os
-import subprocess
 
 import pytest
 from packaging.version import Version
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import clean_env, deepspeed_version, run_python, verify
+from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -154,11 +153,7 @@ def test_patched_stock_and_each_target_left_out_in_one_process(tmp_path):
 
 
 def _apply_diff(package_parent):
-    relative = PATCH.diff_for(deepspeed_version())
-    assert relative, f"no upstream diff covers deepspeed {deepspeed_version()}"
-    diff = os.path.join(data_dir("upstream_prs"), relative)
-    subprocess.run(["git", "apply", "--check", diff], cwd=package_parent, check=True)
-    subprocess.run(["git", "apply", diff], cwd=package_parent, check=True)
+    apply_upstream_diff(PATCH, deepspeed_version(), package_parent)
 
 
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy):

@@ -11,14 +11,12 @@ are bit-identical to stock.
 Where accelerate is fixed upstream (mid: 1.10.1 with deepspeed 0.16.3, which has the asserting no_sync), the same
 jobs run stock and satisfy the same equalities. Elsewhere the verdict is asserted."""
 import json
-import os
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import clean_env, verify
+from conftest import apply_upstream_diff, clean_env, verify
 
 pytestmark = pytest.mark.stack
 
@@ -91,8 +89,7 @@ def test_upstream_diff_fixes_it_and_the_patch_trains_as_it_does(_records, packag
     monkeypatch: the same jobs pass, and the patched jobs' losses and parameters equal its own, bit for bit."""
     _requires_applies()
     site, package = package_copy("accelerate")
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(VERSION))
-    subprocess.run(["git", "apply", "-p2", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, VERSION, site)
     fixed, reference = _recorded(_records, "upstream", PYTHONPATH=site)
     assert fixed["applied"] == []
     assert fixed["results"] == dict.fromkeys(PATCH.scenarios, "ok"), fixed["results"]

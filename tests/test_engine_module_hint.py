@@ -7,13 +7,12 @@ out or changing its source leaves the stock message, and DeepSpeed-Chat's fixed 
 """
 import json
 import os
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import clean_env, deepspeed_version, run_python, verify
+from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -47,9 +46,7 @@ def test_dspatch_env_adds_the_hint():
 
 
 def _apply_diff(site):
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(deepspeed_version()))
-    subprocess.run(["git", "apply", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, deepspeed_version(), site)
 
 
 def test_upstream_diff_applied_to_a_copy_gives_the_same_message_without_dspatch(deepspeed_copy):

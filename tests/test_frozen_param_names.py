@@ -13,14 +13,12 @@ weights_only default, dspatch's deepspeed/checkpoint-weights-only): the reproduc
 escape hatch unless that patch is applied, and the patched run here applies both patches, as a user would.
 """
 import json
-import os
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import STACK, clean_env, deepspeed_version, run_python, verify
+from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, STACK, verify
 
 pytestmark = pytest.mark.stack
 
@@ -65,9 +63,7 @@ def test_dspatch_env_fixes_every_round_trip():
 
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy):
     site, _ = deepspeed_copy
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(deepspeed_version()))
-    subprocess.run(["git", "apply", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, deepspeed_version(), site)
     outcome = verify(PID, clean_env(PYTHONPATH=site))
     assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 

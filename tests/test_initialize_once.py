@@ -6,14 +6,12 @@ applied to a copy of the installed deepspeed does the same with no monkeypatch, 
 the patch's docstring is checked on real code, stock and patched, in one subprocess per stack.
 """
 import json
-import os
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import clean_env, deepspeed_version, run_python, verify
+from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -73,9 +71,7 @@ def test_dspatch_env_refuses_before_anything_changes():
 
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy):
     site, _ = deepspeed_copy
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(deepspeed_version()))
-    subprocess.run(["git", "apply", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, deepspeed_version(), site)
     outcome = verify(PID, clean_env(PYTHONPATH=site))
     assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 

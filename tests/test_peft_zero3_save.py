@@ -12,13 +12,12 @@ import json
 import os
 import re
 import socket
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import STACK, clean_env, run_python, verify, verify_log
+from conftest import apply_upstream_diff, clean_env, run_python, STACK, verify, verify_log
 
 pytestmark = pytest.mark.stack
 
@@ -88,10 +87,7 @@ def test_dspatch_env_saves_the_trained_adapter(stock):
 @affected
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
     site, package = package_copy("transformers")
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(_transformers_version()))
-    # the diff's paths are the repository's (src/transformers/...): strip a/src/
-    subprocess.run(["git", "apply", "-p2", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", "-p2", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, _transformers_version(), site)
     where = run_python(["-c", "import transformers.trainer as t; print(t.__file__)"], env=clean_env(PYTHONPATH=site))
     assert where.stdout.strip() == os.path.join(package, "trainer.py")
     outcome = verify(PID, clean_env(PYTHONPATH=site))

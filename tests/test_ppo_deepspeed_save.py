@@ -11,15 +11,13 @@ and in training itself, nothing changes (saved files and losses identical to sto
 drifting it are proven by test_proofs.py.
 """
 import json
-import os
 import socket
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import STACK, clean_env, run_python, verify
+from conftest import apply_upstream_diff, clean_env, run_python, STACK, verify
 
 pytestmark = pytest.mark.stack
 
@@ -85,9 +83,7 @@ def test_dspatch_env_fixes_saving():
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
     _applies_here()
     site, _ = package_copy("trl")
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(VERDICT[0]))
-    subprocess.run(["git", "apply", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, VERDICT[0], site)
     # on transformers 4.x stock already saves correctly at ZeRO-2: the ZeRO-3 reproducer is the one to fix
     only = [] if _transformers_major() >= 5 else ["--only", "zero3_save"]
     outcome = verify(PID, clean_env(PYTHONPATH=site), *only)

@@ -1,4 +1,5 @@
 """The registry, selection rules and fingerprints: pure Python, no upstream package needed."""
+import ast
 import os
 import pkgutil
 
@@ -117,6 +118,63 @@ def test_source_segment_includes_decorators(tmp_path):
     path.write_text("import x\n\nclass A:\n    @x.deco\n    def f(self):\n        return 1\n")
     first, lines = gating.source_segment(str(path), "A.f")
     assert first == 4 and lines[0].strip() == "@x.deco" and gating.source_segment(str(path), "A.g") is None
+
+
+def _every_definition(tree):
+    """Qualnames of every top-level definition and every definition directly in a top-level class."""
+    kinds = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in tree.body:
+        if isinstance(node, kinds):
+            yield node.name
+            if isinstance(node, ast.ClassDef):
+                yield from (f"{node.name}.{child.name}" for child in node.body if isinstance(child, kinds))
+
+
+def definitions_found_alike(folders, recursive=True):
+    """Over every .py file below `folders`: the quick line-based lookup of each definition gives exactly what
+    parsing the whole file gives, or nothing (then the whole file is parsed). Returns (quick, total) counts."""
+    quick = total = 0
+    for folder in folders:
+        for root, dirs, names in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if d != "site-packages") if recursive else []
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(root, name)
+                try:
+                    lines, tree = gating._parse(path)
+                except (SyntaxError, UnicodeDecodeError, ValueError):
+                    continue
+                index, ends = gating._index(lines), {}
+                for qualname in _every_definition(tree):
+                    node = gating.find_definition(tree, qualname)
+                    if node is None:  # a method of a class bound again later: neither way finds it
+                        assert gating._quick_segment(lines, qualname, index, ends) is None, (path, qualname)
+                        continue
+                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                    expected = (first, lines[first - 1:node.end_lineno])
+                    got = gating._quick_segment(lines, qualname, index, ends)
+                    assert got in (None, expected), (path, qualname, got and got[0], expected[0])
+                    quick += got is not None
+                    total += 1
+    return quick, total
+
+
+def test_quick_definition_lookup_agrees_with_a_full_parse_over_the_standard_library():
+    quick, total = definitions_found_alike([os.path.dirname(ast.__file__)], recursive=False)  # its top level
+    assert total > 5_000 and quick > 0.75 * total, (quick, total)  # it is the common path, and never wrong
+
+
+def test_quick_definition_lookup_gives_up_where_lines_do_not_tell(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('class A(\n    object,\n):\n    def f(self):\n        return 1\n\n'
+                    'def g():\n    x = """\ndef g():\n"""\n    return x\n\n'
+                    'def h():\n    pass\ndef h():\n    return 2\n')
+    lines = gating._lines(str(path))[1]
+    assert gating._quick_segment(lines, "A.f") is None  # header over three lines: parsed whole instead
+    assert gating.source_segment(str(path), "A.f") == (4, ["    def f(self):", "        return 1"])
+    assert gating.source_segment(str(path), "g")[0] == 7  # not the 'def g' inside the string
+    assert gating._quick_segment(lines, "h") == gating.source_segment(str(path), "h") == (15, ["def h():",
+                                                                                            "    return 2"])
+    assert gating._quick_segment(lines, "nope") is None and gating.source_segment(str(path), "nope") is None
 
 
 def test_readme_patch_table_is_generated_from_the_registry():

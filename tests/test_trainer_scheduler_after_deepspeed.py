@@ -11,14 +11,12 @@ without DeepSpeed). 5.1.0's own regression is covered statically (tests/test_gat
 give the same code on 5.1.0's source): 5.1.0 cannot be imported with this project's stacks.
 """
 import json
-import os
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import clean_env, run_python, verify
+from conftest import apply_upstream_diff, clean_env, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -65,9 +63,7 @@ def test_dspatch_env_fixes_it():
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
     _applies()
     site, _ = package_copy("transformers")
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(_version()))
-    subprocess.run(["git", "apply", "-p2", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", "-p2", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, _version(), site)
     outcome = verify(PID, clean_env(PYTHONPATH=site))
     assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 

@@ -8,14 +8,12 @@ that hit no bug (no checkpointing, reentrant) are bit-identical to stock; and it
 deepspeed/zero3-module-id where both apply.
 """
 import json
-import os
-import subprocess
 
 import pytest
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import clean_env, deepspeed_version, run_python, verify
+from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -66,9 +64,7 @@ def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy
     if not _applies():
         pytest.skip("fixed upstream on this stack")
     site, _ = deepspeed_copy
-    diff = os.path.join(data_dir("upstream_prs"), PATCH.diff_for(deepspeed_version()))
-    subprocess.run(["git", "apply", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, deepspeed_version(), site)
     outcome = verify(PID, clean_env(PYTHONPATH=site))
     assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 

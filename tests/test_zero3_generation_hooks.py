@@ -7,16 +7,14 @@ same training afterwards. Elsewhere (old: deepspeed 0.14.4 keeps the old name, a
 applied; mid, latest: trl fixed) the patch stays out and the same reproducers pass.
 """
 import json
-import os
-import subprocess
 import tarfile
 
 import pytest
 from packaging.version import Version
 
-from dspatch import data_dir, gating, registry
+from dspatch import gating, registry
 
-from conftest import clean_env, run_python, verify
+from conftest import apply_upstream_diff, clean_env, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -66,11 +64,7 @@ def test_dspatch_env_fixes_it_and_stays_out_elsewhere():
 
 
 def _apply_diff(site, version):
-    relative = PATCH.diff_for(version)
-    assert relative, f"no upstream diff covers trl {version}"
-    diff = os.path.join(data_dir("upstream_prs"), relative)
-    subprocess.run(["git", "apply", "--check", diff], cwd=site, check=True)
-    subprocess.run(["git", "apply", diff], cwd=site, check=True)
+    apply_upstream_diff(PATCH, version, site)
 
 
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):

@@ -12,7 +12,7 @@ from packaging.version import Version
 
 from dspatch import data_dir, gating, registry
 
-from conftest import clean_env, deepspeed_version, run_python, verify
+from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -103,12 +103,7 @@ def test_own_ds_id_is_refused_with_a_clear_message():
 
 
 def _apply_diff(package_parent, version):
-    relative = PATCH.diff_for(version)
-    assert relative, f"no upstream diff covers deepspeed {version}"
-    diff = os.path.join(data_dir("upstream_prs"), relative)
-    subprocess.run(["git", "apply", "--check", diff], cwd=package_parent, check=True)
-    subprocess.run(["git", "apply", diff], cwd=package_parent, check=True)
-    return diff
+    return apply_upstream_diff(PATCH, version, package_parent)
 
 
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy):

@@ -21,6 +21,16 @@ CACHE = os.environ.get("DSPATCH_RELEASE_CACHE", os.path.expanduser("~/.cache/dsp
 _indexes = {}
 
 
+def _store(path, data):
+    """Write `path` whole or not at all: through a file of this process's own (pytest-xdist workers fill the
+    same cache at once; a shared temporary name let one worker publish another's half-written file)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path}.{os.getpid()}.part"
+    with open(part, "wb") as f:
+        f.write(data)
+    os.replace(part, path)
+
+
 def _index_url():
     """The index pip would use: PIP_INDEX_URL, else `pip config`, else pip's built-in default."""
     import subprocess
@@ -46,10 +56,7 @@ def _index(project):
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 data = json.load(response)
-            os.makedirs(CACHE, exist_ok=True)
-            with open(cached + ".part", "w") as f:
-                json.dump(data, f)
-            os.replace(cached + ".part", cached)
+            _store(cached, json.dumps(data).encode())
         except OSError:
             if not os.path.exists(cached):
                 raise
@@ -88,10 +95,7 @@ def sdist(project, version):
         data = response.read()
     if hashlib.sha256(data).hexdigest() != entry["hashes"]["sha256"]:
         raise RuntimeError(f"{name}: sha256 mismatch")
-    os.makedirs(CACHE, exist_ok=True)
-    with open(path + ".part", "wb") as f:
-        f.write(data)
-    os.replace(path + ".part", path)
+    _store(path, data)
     return path
 
 
@@ -129,11 +133,8 @@ def release_files(project, version, files):
         for member in tar:
             relative = member.name.split("/", 1)[-1]
             if relative in want and member.isfile():
-                path = out[want.pop(relative)]
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with tar.extractfile(member) as src, open(path + ".part", "wb") as dst:
-                    dst.write(src.read())
-                os.replace(path + ".part", path)
+                with tar.extractfile(member) as src:
+                    _store(out[want.pop(relative)], src.read())
                 if not want:
                     break
     missing = [f for f, p in out.items() if not os.path.exists(p)]
@@ -151,10 +152,7 @@ def wheel(project, version):
         with urllib.request.urlopen(urllib.parse.urljoin(f"{_index_url()}{project}/", entry["url"]), timeout=300) as r:
             data = r.read()
         assert hashlib.sha256(data).hexdigest() == entry["hashes"]["sha256"], name
-        os.makedirs(CACHE, exist_ok=True)
-        with open(path + ".part", "wb") as f:
-            f.write(data)
-        os.replace(path + ".part", path)
+        _store(path, data)
     return path
 
 
