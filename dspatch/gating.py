@@ -128,7 +128,8 @@ def _block_end(lines, start, ends):
         width, end = _width(lines[start]), start
         for i in range(start + 1, len(lines)):
             if _meaningful(lines[i]):
-                if _width(lines[i]) <= width:
+                # a closing bracket cannot start a statement: it ends a header or an expression over lines
+                if _width(lines[i]) <= width and not lines[i].lstrip().startswith((")", "]", "}")):
                     break
                 end = i
         ends[start] = end

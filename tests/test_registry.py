@@ -131,11 +131,13 @@ def _every_definition(tree):
 
 
 def definitions_found_alike(folders, recursive=True):
-    """Over every .py file below `folders`: the quick line-based lookup of each definition gives exactly what
-    parsing the whole file gives, or nothing (then the whole file is parsed). Returns (quick, total) counts."""
+    """Over every .py file below `folders` (or named there): the quick line-based lookup of each definition
+    gives exactly what parsing the whole file gives, or nothing (then the whole file is parsed). Returns
+    (quick, total) counts."""
     quick = total = 0
     for folder in folders:
-        for root, dirs, names in os.walk(folder):
+        walk = os.walk(folder) if os.path.isdir(folder) else [(*os.path.split(folder)[:1], [], [folder])]
+        for root, dirs, names in walk:
             dirs[:] = sorted(d for d in dirs if d != "site-packages") if recursive else []
             for name in sorted(n for n in names if n.endswith(".py")):
                 path = os.path.join(root, name)
@@ -161,6 +163,13 @@ def definitions_found_alike(folders, recursive=True):
 def test_quick_definition_lookup_agrees_with_a_full_parse_over_the_standard_library():
     quick, total = definitions_found_alike([os.path.dirname(ast.__file__)], recursive=False)  # its top level
     assert total > 5_000 and quick > 0.75 * total, (quick, total)  # it is the common path, and never wrong
+
+
+@pytest.mark.stack
+def test_quick_definition_lookup_agrees_with_a_full_parse_on_every_installed_target_file():
+    files = {gating.module_file(t.module) for patch in registry.all_patches().values() for t in patch.targets}
+    quick, total = definitions_found_alike(sorted(f for f in files if f))
+    assert total > 500 and quick > 0.75 * total, (quick, total)
 
 
 def test_quick_definition_lookup_gives_up_where_lines_do_not_tell(tmp_path):
