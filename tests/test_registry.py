@@ -176,13 +176,18 @@ def test_quick_definition_lookup_gives_up_where_lines_do_not_tell(tmp_path):
     path = tmp_path / "m.py"
     path.write_text('class A(\n    object,\n):\n    def f(self):\n        return 1\n\n'
                     'def g():\n    x = """\ndef g():\n"""\n    return x\n\n'
-                    'def h():\n    pass\ndef h():\n    return 2\n')
+                    'def h():\n    pass\ndef h():\n    return 2\n\n'
+                    '@deco(\n1)\ndef k():\n    pass\n')
     lines = gating._lines(str(path))[1]
-    assert gating._quick_segment(lines, "A.f") is None  # header over three lines: parsed whole instead
-    assert gating.source_segment(str(path), "A.f") == (4, ["    def f(self):", "        return 1"])
-    assert gating.source_segment(str(path), "g")[0] == 7  # not the 'def g' inside the string
+    # a header over several lines: its closing bracket continues it
+    assert gating._quick_segment(lines, "A.f") == gating.source_segment(str(path), "A.f") == \
+        (4, ["    def f(self):", "        return 1"])
+    assert gating._quick_segment(lines, "g") is None  # the last 'def g' is inside a string: it does not parse
+    assert gating.source_segment(str(path), "g")[0] == 7
     assert gating._quick_segment(lines, "h") == gating.source_segment(str(path), "h") == (15, ["def h():",
                                                                                             "    return 2"])
+    assert gating._quick_segment(lines, "k") is None  # '1)' above could be a decorator's: parsed whole instead
+    assert gating.source_segment(str(path), "k") == (18, ["@deco(", "1)", "def k():", "    pass"])
     assert gating._quick_segment(lines, "nope") is None and gating.source_segment(str(path), "nope") is None
 
 
