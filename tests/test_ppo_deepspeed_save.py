@@ -17,7 +17,7 @@ import pytest
 
 from dspatch import gating, registry
 
-from conftest import apply_upstream_diff, clean_env, run_python, STACK, verify
+from conftest import apply_upstream_diff, clean_env, run_python, run_ranks, STACK, verify
 
 pytestmark = pytest.mark.stack
 
@@ -121,9 +121,10 @@ else:
                                for name in names if name.endswith((".safetensors", "config.json", "tokenizer.json")))
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(report, f)
-# leave together: a rank that exits while the other still checks its files can take gloo down with SIGABRT
+# leave together (rank 1 waits for rank 0's checks), then without interpreter teardown, where gloo sometimes
+# aborts a finished rank under load (exit -6)
 dist.barrier()
-dist.destroy_process_group()
+os._exit(0)
 '''
 
 
@@ -134,9 +135,9 @@ def _torchrun(tmp_path, env):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out"
-    out.mkdir()
-    proc = run_python(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                       "--master_port", str(port), str(script), str(out)], env=env, check=False, timeout=400)
+    proc = run_ranks(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                      "--master_port", str(port), str(script), str(out)], env=env, fresh=out, check=False,
+                     timeout=400)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()]
     return proc, reports
 
@@ -148,7 +149,8 @@ def test_two_ranks_gather_on_every_rank_and_write_on_the_main_one(tmp_path):
     if Version(gating.installed_version("accelerate")) >= Version("1.15"):
         pytest.skip("accelerate >= 1.15 cannot run DeepSpeed with 2 CPU processes (both ranks think they are rank 0)")
     proc, reports = _torchrun(tmp_path, clean_env(DSPATCH=PID))
-    assert proc.returncode == 0 and len(reports) == 2, (proc.stdout[-3000:], proc.stderr[-6000:])
+    assert proc.returncode == 0 and len(reports) == 2, f"exit {proc.returncode}, {len(reports)} reports\n" \
+        f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     main, other = reports
     assert main["world"] == other["world"] == 2 and main["applied"] == other["applied"] == [PID]
     assert main["steps"] == other["steps"] == [1, 2] and main.get("checked") and "error" not in other

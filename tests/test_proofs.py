@@ -79,10 +79,18 @@ def test_explain_names_the_bug_from_the_stock_traceback(pid):
         assert named[pid]["do"].startswith("set DSPATCH=1")
 
 
+# patches whose own test proves more, in a process it shares with other checks (CI time): each target left out
+# fails the very reproducer that target is for, with the bug's own message
+NECESSITY_PROVEN_BY = {"deepspeed/checkpoint-weights-only":
+                       "test_checkpoint_weights_only.py::test_patched_stock_and_each_target_left_out_in_one_process"}
+
+
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))
 def test_every_target_is_necessary(pid):
     if pid == "none-applies-here":
         pytest.skip("no patch applies to this stack")
+    if pid in NECESSITY_PROVEN_BY:
+        pytest.skip(f"{pid}: proven target by target in {NECESSITY_PROVEN_BY[pid]}")
     patch = registry.all_patches()[pid]
     out = run_python(["-m", "dspatch.verify", pid, "--leave-out-each"]).stdout.strip().splitlines()[-1]
     left_out = json.loads(out)["left_out"]
