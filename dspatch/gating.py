@@ -76,25 +76,25 @@ def module_file(module_name):
 
 _parsed = {}
 _read = {}
-_ends = {}
 
 
 def _lines(path):
-    """(source, lines as the parser counts them, index of the lines that start a definition)."""
+    """(source, lines as the parser counts them, index of the lines that start a definition, memo of block ends
+    for _block_end)."""
     key = (path, os.stat(path).st_mtime_ns)
     if key not in _read:
         with open(path, encoding="utf-8") as f:
             source = f.read()
         # str.splitlines would also split at \x0c, \x85, \u2028 ...
         lines = [line.rstrip("\r\n") for line in io.StringIO(source, newline=None).readlines()]
-        _read[key] = (source, lines, _index(lines))
+        _read[key] = (source, lines, _index(lines), {})
     return _read[key]
 
 
 def _parse(path):
     key = (path, os.stat(path).st_mtime_ns)
     if key not in _parsed:
-        source, lines, _ = _lines(path)
+        source, lines, _, _ = _lines(path)
         _parsed[key] = (lines, ast.parse(source, path))
     return _parsed[key]
 
@@ -174,8 +174,13 @@ def _quick_segment(lines, qualname, index=None, ends=None):
             or not isinstance(body[0], (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     node, shift = body[0], (1 if indent else 0)
-    node_first = min([node.lineno] + [d.lineno for d in node.decorator_list]) - shift
+    node_first = first_line(node) - shift
     return first + node_first, lines[first + node_first - 1:first + node.end_lineno - shift]
+
+
+def first_line(node):
+    """A definition's first line: its first decorator's, if it has any."""
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
 
 
 def find_definition(tree, qualname):
@@ -197,16 +202,13 @@ def definition(path, qualname):
 
 def source_segment(path, qualname):
     """(first line number, lines) of a definition, decorators included; None when it is not there."""
-    _, lines, index = _lines(path)
-    quick = _quick_segment(lines, qualname, index, _ends.setdefault((path, os.stat(path).st_mtime_ns), {}))
+    _, lines, index, ends = _lines(path)
+    quick = _quick_segment(lines, qualname, index, ends)
     if quick is not None:
         return quick
     lines, tree = _parse(path)
     node = find_definition(tree, qualname)
-    if node is None:
-        return None
-    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
-    return first, lines[first - 1:node.end_lineno]
+    return None if node is None else (first_line(node), lines[first_line(node) - 1:node.end_lineno])
 
 
 def code_tokens(text):

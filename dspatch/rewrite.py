@@ -117,7 +117,7 @@ def upstream_function(obj, target, filename):
     when the definition cannot be reached: something replaced it without keeping it."""
     name = target.qualname.rsplit(".", 1)[-1]
     node = gating.definition(filename, target.qualname)
-    first = node and min([node.lineno] + [d.lineno for d in node.decorator_list])
+    first = node and gating.first_line(node)
     found = [f for f in _functions_in(obj, depth=8) if f.__code__.co_name == name
              and f.__code__.co_filename == filename and f.__code__.co_firstlineno in (first, node.lineno)]
     if len(found) != 1:

@@ -47,10 +47,15 @@ def run_python(args, env=None, check=True, timeout=900, cwd=None, input=None):
     """Run this interpreter in a neutral directory, so that it uses dspatch as installed, not the checkout."""
     proc = subprocess.run([sys.executable, *args], env=clean_env() if env is None else env, capture_output=True,
                           text=True, timeout=timeout, cwd=cwd or tempfile.gettempdir(), input=input)
-    if check and proc.returncode != 0:
+    if check:
+        _succeeded(args, proc)
+    return proc
+
+
+def _succeeded(args, proc):
+    if proc.returncode != 0:
         raise AssertionError(f"python {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
-    return proc
 
 
 def last_json(proc):
@@ -175,7 +180,6 @@ def run_ranks(args, env, fresh, check=True, **kwargs):
         if proc.returncode == 0 or GLOO_ABORT not in proc.stderr or attempt == 2:
             break
         print(f"run_ranks: gloo aborted a rank ({GLOO_ABORT!r}); running the launch once more", file=sys.stderr)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"python {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    if check:
+        _succeeded(args, proc)
     return proc

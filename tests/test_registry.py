@@ -151,7 +151,7 @@ def definitions_found_alike(folders, recursive=True):
                     if node is None:  # a method of a class bound again later: neither way finds it
                         assert gating._quick_segment(lines, qualname, index, ends) is None, (path, qualname)
                         continue
-                    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                    first = gating.first_line(node)
                     expected = (first, lines[first - 1:node.end_lineno])
                     got = gating._quick_segment(lines, qualname, index, ends)
                     assert got in (None, expected), (path, qualname, got and got[0], expected[0])
