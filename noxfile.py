@@ -4,7 +4,11 @@
     nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
+import hashlib
 import json
+import os
+import shutil
+import time
 
 import nox
 
@@ -26,6 +30,40 @@ STACKS = {
     "latest": ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0", "peft==0.21.2"],
 }
 TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
+# trl's last PPO trainer (1.12.0) on transformers 5.x, where its save under DeepSpeed fails at every ZeRO stage
+# (trl/ppo-deepspeed-save); accelerate 1.10.1 can still run DeepSpeed with 2 CPU processes
+TRL_TF5 = ["deepspeed==0.16.3", "transformers==5.23.0", "accelerate==1.10.1", "trl==1.12.0"]
+
+# The stacks' environments live outside the clone (a clean clone, as CI makes, would otherwise rebuild six of them
+# every run), in a folder named by a hash of everything installed into them: a changed pin is a new folder, never
+# a stale environment. Only the upstream packages are kept: dspatch itself is reinstalled from this checkout every
+# run. A fresh machine builds them from nothing with the same command. NOX_ENVDIR overrides the place.
+_PINS = json.dumps([TORCH, STACKS, TRL_TF5, TEST_TOOLS], sort_keys=True)
+ENV_ROOT = os.environ.get("DSPATCH_NOX_ENVS", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dspatch", "nox-envs"))
+nox.options.envdir = os.path.join(ENV_ROOT, hashlib.sha256(_PINS.encode()).hexdigest()[:16])
+nox.options.reuse_venv = "yes"
+
+
+def _forget_old_environments(days=14):
+    """Environments of pins not used for two weeks are removed (each is a few GB)."""
+    if not os.path.isdir(ENV_ROOT):
+        return
+    for name in os.listdir(ENV_ROOT):
+        path = os.path.join(ENV_ROOT, name)
+        if path != nox.options.envdir and time.time() - os.path.getmtime(path) > days * 86400:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+_forget_old_environments()
+if os.path.isdir(nox.options.envdir):
+    os.utime(nox.options.envdir)
+
+
+def install_dspatch(session, *tools):
+    """dspatch as a user gets it (a wheel, with its .pth), built from this checkout afresh every run."""
+    session.install(*tools)
+    session.install("--force-reinstall", "--no-deps", ".")
 # Two workers: the tests are mostly subprocesses (fresh interpreters running deepspeed), one core each.
 XDIST = ["-n", "2", "--dist", "loadfile", "--durations=15"]  # the slowest tests, to keep CI in its budget
 TEST_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -34,13 +72,13 @@ TEST_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
 def install_stack(session, name):
     session.install(TORCH)
     session.install(*STACKS[name])
-    session.install(".", *TEST_TOOLS)  # dspatch as a user gets it: a wheel, with its .pth
+    install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
 
 
 @nox.session(python="3.11")
 def unit(session):
     """Registry, selection, --check without any target, activation cost, packaging, every release's verdict."""
-    session.install(".", *TEST_TOOLS)
+    install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
     # released sdists are cached outside the clone (~/.cache/dspatch/releases unless DSPATCH_RELEASE_CACHE says
     # otherwise), so a fresh clone, as CI makes, does not download them again
     session.run("pytest", "-m", "not stack", *XDIST, *session.posargs, env=TEST_ENV)
@@ -60,17 +98,12 @@ def stack_session(name):
 for _name in STACKS:
     globals()[_name] = stack_session(_name)
 
-# trl's last PPO trainer (1.12.0) on transformers 5.x, where its save under DeepSpeed fails at every ZeRO stage
-# (trl/ppo-deepspeed-save); accelerate 1.10.1 can still run DeepSpeed with 2 CPU processes
-TRL_TF5 = ["deepspeed==0.16.3", "transformers==5.23.0", "accelerate==1.10.1", "trl==1.12.0"]
-
-
 @nox.session(python="3.11")
 def trl_tf5(session):
     """trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers 5.23.0 (torch 2.13 CPU)."""
     session.install(TORCH)
     session.install(*TRL_TF5)
-    session.install(".", "pytest")
+    install_dspatch(session, "wrapt>=2.5", "packaging", "pytest")
     session.run("pytest", "-m", "not unit_only", "tests/test_ppo_deepspeed_save.py", *session.posargs,
                 env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS)})
 

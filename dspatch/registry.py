@@ -16,7 +16,10 @@ def all_patches():
     if _cache is None:
         found = {}
         for name in _patches_pkg.MODULES:
-            patch = importlib.import_module(f"{_patches_pkg.__name__}.{name}").PATCH
+            module = f"{_patches_pkg.__name__}.{name}"
+            patch = importlib.import_module(module).PATCH
+            if patch.reproducers is None:  # beside it: <patch module>_reproducers.py
+                patch.reproducers = f"{module}_reproducers"
             if patch.id in found:
                 raise RuntimeError(f"dspatch: two patches declare the id {patch.id!r}")
             found[patch.id] = patch

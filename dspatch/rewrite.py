@@ -163,6 +163,101 @@ def _the_function(obj, name, filename, target):
     raise RewriteError(f"cannot find the function {name} inside the decorated {target}")
 
 
+# ----------------------------------------------------------------------------------------------------
+# Building blocks of transforms: find exactly the site a fix changes, and place new nodes at upstream's line.
+
+def at_line(node, where):
+    """`node` and everything in it placed at `where`'s position, so that a traceback through new code points at
+    the upstream line it stands in for."""
+    for sub in ast.walk(node):
+        if "lineno" in sub._attributes:
+            ast.copy_location(sub, where)
+    return node
+
+
+def expression(text, where):
+    """An expression parsed from `text`, placed at `where`'s line."""
+    return at_line(ast.parse(text, mode="eval").body, where)
+
+
+def statement(text, where):
+    """One statement (it may hold a block) parsed from `text`, placed at `where`'s line."""
+    return at_line(ast.parse(text).body[0], where)
+
+
+def call_into(module, function):
+    """Source of an expression that reaches `module.function` from rebuilt upstream code without adding a name
+    to upstream's module: builtins only (`__import__` of an imported module is a sys.modules lookup)."""
+    return f"__import__({module!r}, fromlist=({function!r},)).{function}"
+
+
+def matches(node, pattern):
+    """Whether `node` has the shape of `pattern` (source text of an expression or a statement, or its AST):
+    the same node types, names, attributes and constants, positions and load/store contexts aside. In the
+    pattern `_` stands for any one node and a call written `f(...)` takes any arguments."""
+    if isinstance(pattern, str):
+        tree = ast.parse(pattern)
+        only = tree.body[0]
+        pattern = only.value if isinstance(only, ast.Expr) and len(tree.body) == 1 else only
+    return _same(node, pattern)
+
+
+def _same(node, pattern):
+    if isinstance(pattern, ast.Name) and pattern.id == "_":
+        return isinstance(node, ast.AST)
+    if type(node) is not type(pattern):
+        return False
+    any_arguments = isinstance(pattern, ast.Call) and len(pattern.args) == 1 and not pattern.keywords \
+        and isinstance(pattern.args[0], ast.Constant) and pattern.args[0].value is Ellipsis
+    for field in pattern._fields:
+        if field == "ctx" or (any_arguments and field in ("args", "keywords")):
+            continue
+        mine, theirs = getattr(node, field, None), getattr(pattern, field, None)
+        if isinstance(theirs, list):
+            if not isinstance(mine, list) or len(mine) != len(theirs) \
+                    or not all(_same(a, b) if isinstance(b, ast.AST) else a == b for a, b in zip(mine, theirs)):
+                return False
+        elif isinstance(theirs, ast.AST):
+            if not _same(mine, theirs):
+                return False
+        elif mine != theirs:
+            return False
+    return True
+
+
+def _predicate(match):
+    return match if callable(match) else (lambda node: matches(node, match))
+
+
+def find_all(root, match):
+    """Every node under `root` that `match` (a pattern for `matches`, or a predicate) accepts, in walk order."""
+    accept = _predicate(match)
+    return [node for node in ast.walk(root) if accept(node)]
+
+
+def find_one(root, match, what=None):
+    """The one node under `root` that `match` accepts; RewriteError naming `what` (default: the pattern) when
+    there is none or more than one: the installed code is not the shape the fix was written for."""
+    found = find_all(root, match)
+    if len(found) != 1:
+        raise RewriteError(f"{getattr(root, 'name', type(root).__name__)}: expected exactly one {what or match}, "
+                           f"found {len(found)}")
+    return found[0]
+
+
+def find_statement(root, match, what=None):
+    """(block, index) of the one statement under `root` that `match` accepts, in the list that holds it (a body,
+    an else branch...): where a fix puts statements around it or replaces it."""
+    accept = _predicate(match)
+    found = [(block, index) for parent in ast.walk(root) for field in ("body", "orelse", "finalbody")
+             for block in [getattr(parent, field, None)] if isinstance(block, list)
+             for index, stmt in enumerate(block) if isinstance(stmt, ast.stmt) and accept(stmt)]
+    if len(found) != 1:
+        raise RewriteError(f"{getattr(root, 'name', type(root).__name__)}: expected exactly one statement "
+                           f"{what or match}, found {len(found)}")
+    return found[0]
+
+
 def rename_attribute(old, new):
     """A transform: every `x.<old>` in the definition becomes `x.<new>`; fails if there is none."""
 

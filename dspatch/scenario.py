@@ -65,9 +65,7 @@ def loads_past_weights_only_bug(unless_applied="deepspeed/checkpoint-weights-onl
     Unless `unless_applied` is applied in this process, the loads inside use torch's own escape hatch
     TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 (no effect where the caller passes weights_only itself), so that a
     reproducer shows its own bug and nothing else on every release."""
-    from dspatch import _runtime
-
-    if unless_applied and unless_applied in _runtime.applied_ids():
+    if unless_applied and applied(unless_applied):
         yield
         return
     before = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
@@ -79,3 +77,50 @@ def loads_past_weights_only_bug(unless_applied="deepspeed/checkpoint-weights-onl
             os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
         else:
             os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = before
+
+
+def reset_accelerate():
+    """Forget accelerate's process-wide state (its singletons outlive an Accelerator), so that the next
+    Accelerator or Trainer of this process is configured from scratch, as in a fresh job."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def applied(pid):
+    """Whether dspatch applied patch `pid` in this process (from DSPATCH at start-up or dspatch.apply())."""
+    from dspatch import _runtime
+
+    return pid in _runtime.applied_ids()
+
+
+def tiny_llama(head="LlamaForCausalLM", seed=0, **config):
+    """A tiny Llama built from a config (hidden 32, 2 layers, 4 heads, vocabulary 64 unless `config` says
+    otherwise), its weights drawn after torch.manual_seed(seed); `seed=None` leaves the generator alone."""
+    import torch
+    import transformers
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    shape.update(config)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return getattr(transformers, head)(transformers.LlamaConfig(**shape))
+
+
+def word_tokenizer(vocab, folder=None, **special):
+    """A fast tokenizer made in code (nothing from a hub): one token per whitespace-separated word of `vocab`
+    (a list or {word: id}), `special` its special tokens (pad_token="<pad>", ...; padding_side too). Saved to
+    `folder` when given, as trainers that reload their tokenizer need."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    ids = vocab if isinstance(vocab, dict) else {word: i for i, word in enumerate(vocab)}
+    unk = special.get("unk_token", special.get("pad_token"))
+    backend = Tokenizer(models.WordLevel(ids, unk_token=unk))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+    if folder is not None:
+        tokenizer.save_pretrained(folder)
+    return tokenizer

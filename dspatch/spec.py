@@ -28,8 +28,15 @@ class Patch:
       `supported`: the releases the patch was written and tested for (older affected ones are left out).
     - `apply(ctx)`: installs the fix through ctx (dspatch._runtime.Transaction), which records every change
       so a failure part-way leaves nothing behind and `revert` can undo it.
-    - `scenarios`: {name: callable} real-upstream reproducers. Each returns None when behaviour is correct
-      and raises `BugSeen` when the bug shows (see dspatch.verify).
+    - `targets`: the fingerprint table, {(module, qualname): {fingerprint: releases}}, or Target objects (for code
+      that moved between modules across releases: Target(..., releases=...)).
+    - reproducers: real-upstream scenarios, in the module beside the patch's own named `<patch module>_reproducers`
+      (loaded only by `--verify` and the tests, through `scenarios`, `expected_on_stock` and `band_check`). It
+      defines `SCENARIOS` ({name: callable}: each returns None when behaviour is correct and raises `BugSeen`
+      when the bug shows, see dspatch.verify), `EXPECTED_ON_STOCK` ({scenario: fragment of its BugSeen message}
+      that stock upstream must show, the proof that the patch is needed; only that failure counts as the bug)
+      and optionally `BAND_CHECK` (the cheapest reproducer, run on the released source of each diff band no
+      test stack installs; default: the first of EXPECTED_ON_STOCK).
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
     - `fixed_marker`: optional (module, qualname) of a definition that exists only once upstream's fix is in;
       how a build that is not a plain release (git, dev, local) is recognised as fixed.
@@ -38,8 +45,6 @@ class Patch:
     - `renamed`: for a rename-style fix, the attribute renamed, and {"path:function": why} for functions of
       the package that read or write an attribute of that name which is not the renamed one (tests check,
       over every affected release's source, that no other function touches it).
-    - `band_check`: the reproducer (cheapest that shows the bug) run on the released source of each diff band
-      no test stack installs; default: the first of `expected_on_stock`.
     - `signatures`: regular expressions, each matching one line of a log (traceback or message) that this bug
       produces on stock upstream; `python -m dspatch.explain LOG` names the patch when one matches. Match the
       bug's own words (exception type and message), not the ones of other failures.
@@ -50,31 +55,51 @@ class Patch:
     """
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
-                 diffs=None, scenarios=None, expected_on_stock=None, in_use=None, fixed_marker=None, note="",
-                 requires=None, renamed=None, band_check=None, signatures=()):
+                 diffs=None, in_use=None, fixed_marker=None, note="", requires=None, renamed=None, signatures=(),
+                 reproducers=None):
         self.id = id
         self.summary = summary
         self.distribution = distribution
         self.affected = affected
         self.fixed_in = fixed_in
         self.supported = supported
+        if isinstance(targets, dict):
+            targets = [Target(module, qualname, prints) for (module, qualname), prints in targets.items()]
         self.all_targets = tuple(targets)
         self._installed_targets = None
         self.apply = apply
         self.links = tuple(links)
         self.diffs = dict(diffs or {})
-        self.scenarios = dict(scenarios or {})
-        # {scenario: fragment of its BugSeen message} that stock upstream must show (the proof that the patch
-        # is needed); only that failure counts as the bug
-        expected = expected_on_stock or {}
-        self.expected_on_stock = dict(expected) if isinstance(expected, dict) else dict.fromkeys(expected, "")
+        self.reproducers = reproducers  # module name; the registry sets it from the patch module's name
         self.in_use = in_use
         self.fixed_marker = fixed_marker
         self.note = note
         self.requires = dict(requires or {})
         self.renamed = renamed
-        self.band_check = band_check or next(iter(self.expected_on_stock), None)
         self.signatures = tuple(signatures)
+
+    def _reproducers(self):
+        import importlib
+
+        if not self.reproducers:
+            return None
+        return importlib.import_module(self.reproducers)
+
+    @property
+    def scenarios(self):
+        """{name: reproducer}, from the reproducers module (imported on first use)."""
+        module = self._reproducers()
+        return dict(getattr(module, "SCENARIOS", {})) if module else {}
+
+    @property
+    def expected_on_stock(self):
+        module = self._reproducers()
+        return dict(getattr(module, "EXPECTED_ON_STOCK", {})) if module else {}
+
+    @property
+    def band_check(self):
+        module = self._reproducers()
+        return getattr(module, "BAND_CHECK", None) or next(iter(self.expected_on_stock), None)
 
     def targets_for(self, version):
         """The targets release `version` of the distribution has: those whose `releases` contain it, and those

@@ -7,7 +7,7 @@ import os
 import sys
 
 import dspatch._runtime
-from dspatch.patches.deepspeed.zero3_module_id import expert_ids_through_training
+from dspatch.patches.deepspeed.zero3_module_id_reproducers import expert_ids_through_training
 
 
 def main():

@@ -11,11 +11,15 @@ import tempfile
 
 import pytest
 
+from warm import close_all as _close_zygotes, run as warm_run
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STACK = os.environ.get("DSPATCH_TEST_STACK")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.user_properties.append(("dspatch_patch", _patch_of(item)))
     if STACK or importlib.util.find_spec("deepspeed") is not None:
         return
     skip = pytest.mark.skip(reason="needs a real upstream stack: run `nox -s old`, `mid` or `latest`")
@@ -29,6 +33,8 @@ def _stack_is_complete():
     if STACK:
         for name in ("torch", "deepspeed"):
             assert importlib.util.find_spec(name), f"stack session {STACK!r} lacks {name}"
+    yield
+    _close_zygotes()
 
 
 # The environment the test run started with: what an in-process reproducer sets (rendezvous variables, a free
@@ -43,10 +49,18 @@ def clean_env(**extra):
     return env
 
 
-def run_python(args, env=None, check=True, timeout=900, cwd=None, input=None):
-    """Run this interpreter in a neutral directory, so that it uses dspatch as installed, not the checkout."""
-    proc = subprocess.run([sys.executable, *args], env=clean_env() if env is None else env, capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd or tempfile.gettempdir(), input=input)
+def run_python(args, env=None, check=True, timeout=900, cwd=None, input=None, warm=False):
+    """Run this interpreter in a neutral directory, so that it uses dspatch as installed, not the checkout.
+
+    `warm`: from a zygote (tests/warm.py) that imported, once, "stack": the stack (for runs whose result is their
+    own output: what the stack printed while importing, dspatch's "applied" line included, is not in it), or
+    "base": torch and nothing dspatch watches (the run imports every target itself, as a fresh one does)."""
+    env = clean_env() if env is None else env
+    cwd = cwd or tempfile.gettempdir()
+    proc = warm_run(args, env, cwd, input, timeout, warm) if warm and STACK else None
+    if proc is None:
+        proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd, input=input)
     if check:
         _succeeded(args, proc)
     return proc
@@ -69,7 +83,7 @@ def verify(patch_id, env, *extra):
     """Run a patch's reproducers in a fresh interpreter: {"applied": [...], "results": {...}}. The same run on
     the installed stack asked for twice in a session (a patch's own test and the shared proofs) runs once."""
     if "PYTHONPATH" in env:  # a copy of upstream, which the test may change between runs: always run
-        return last_json(run_python(["-m", "dspatch.verify", patch_id, *extra], env=env))
+        return last_json(run_python(["-m", "dspatch.verify", patch_id, *extra], env=env, warm="stack"))
     return json.loads(json.dumps(_verify_run(patch_id, env, *extra)[0]))  # a copy: callers may change it
 
 
@@ -77,7 +91,7 @@ def _verify_run(patch_id, env, *extra):
     key = (patch_id, tuple(sorted(env.items())), extra)
     if key not in _verified:
         _verified[key] = _shared_between_workers(key, lambda: run_python(["-m", "dspatch.verify", patch_id, *extra],
-                                                                         env=env))
+                                                                         env=env, warm="stack"))
     return _verified[key]
 
 
@@ -183,3 +197,33 @@ def run_ranks(args, env, fresh, check=True, **kwargs):
     if check:
         _succeeded(args, proc)
     return proc
+
+
+# Seconds per patch: every stack session ends with what each patch's proofs cost on that stack (the cost of a
+# patch, kept visible as the catalogue grows). A test counts for the patch it names: its `pid` parameter, else
+# its module's PID or PATCH; the rest (runtime, harness, launchers) is "(shared)".
+def _patch_of(item):
+    pid = getattr(getattr(item, "callspec", None), "params", {}).get("pid")
+    if pid is None:
+        pid = getattr(item.module, "PID", None) or getattr(getattr(item.module, "PATCH", None), "id", None)
+    return pid if isinstance(pid, str) and "/" in pid else "(shared)"
+
+
+_seconds = {}
+
+
+def pytest_runtest_logreport(report):
+    pid = dict(report.user_properties).get("dspatch_patch")
+    if pid:
+        _seconds[pid] = _seconds.get(pid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _seconds:
+        return
+    total = sum(_seconds.values())
+    write = terminalreporter.write_line
+    terminalreporter.section(f"seconds per patch ({STACK or 'unit'} session; test time summed over workers)")
+    for pid, seconds in sorted(_seconds.items(), key=lambda kv: -kv[1]):
+        write(f"{seconds:8.1f} s  {100 * seconds / total:5.1f}%  {pid}")
+    write(f"{total:8.1f} s  total")

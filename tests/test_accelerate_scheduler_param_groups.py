@@ -39,7 +39,7 @@ def test_stock_upstream_reproduces_exactly():
 
 
 def test_dspatch_env_fixes_it():
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID))
+    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID), warm="base")
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
@@ -60,7 +60,7 @@ OBSERVE = r'''
 import json
 import torch
 import dspatch
-from dspatch.patches.accelerate import deepspeed_scheduler_param_groups as A
+from dspatch.patches.accelerate import deepspeed_scheduler_param_groups_reproducers as A
 
 report = {}
 def job(name, make, empty):
@@ -79,7 +79,7 @@ def job(name, make, empty):
 
 A.with_deepspeed(A.warmup_lambda, empty=False)  # deepspeed <= 0.16 trains the first engine of a process differently
 job("stock", A.warmup_lambda, False)
-report["late apply"] = dspatch.apply([A.PID], strict=True)[A.PID][0]
+report["late apply"] = dspatch.apply(["accelerate/deepspeed-scheduler-param-groups"], strict=True)["accelerate/deepspeed-scheduler-param-groups"][0]
 job("patched", A.warmup_lambda, False)
 job("patched, empty group", A.warmup_lambda, True)
 print("R " + json.dumps(report))
@@ -87,7 +87,7 @@ print("R " + json.dumps(report))
 
 
 def test_no_empty_group_stays_stock_and_the_kept_entries_stay_in_order():
-    proc = run_python(["-c", OBSERVE])
+    proc = run_python(["-c", OBSERVE], warm="stack")
     report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
     stock, patched, empty = report["stock"], report["patched"], report["patched, empty group"]
     assert report["late apply"] == gating.APPLIED
@@ -120,5 +120,5 @@ sched.step(); sched.step(); sched.step()
 out.append([g["lr"] for g in opt.param_groups])
 print("R", out)
 '''
-    out = [line for line in run_python(["-c", code]).stdout.splitlines() if line.startswith("R ")][-1]
+    out = [line for line in run_python(["-c", code], warm="stack").stdout.splitlines() if line.startswith("R ")][-1]
     assert out == "R [None, None, [0, 2], [[1.0, 3.0], [1.0, 3.0]], [0.9, 2.7]]", out

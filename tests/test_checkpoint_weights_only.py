@@ -92,7 +92,7 @@ for target in patch.targets:
         _runtime.Transaction.recode = real
         dspatch.revert([PID])
 report["left_out"] = left
-from dspatch.patches.deepspeed.checkpoint_weights_only import _engine, _train
+from dspatch.patches.deepspeed.checkpoint_weights_only_reproducers import _engine, _train
 engine = _engine(2)  # for the recovery-script test: save_checkpoint copies the installed zero_to_fp32.py
 _train(engine, 0, 1)
 engine.save_checkpoint(sys.argv[3], tag="t")
@@ -104,7 +104,7 @@ SCENARIOS_THEN_SAVE = r'''
 import json, sys
 from dspatch import _runtime, registry
 from dspatch.verify import run_scenarios
-from dspatch.patches.deepspeed.checkpoint_weights_only import _engine, _train
+from dspatch.patches.deepspeed.checkpoint_weights_only_reproducers import _engine, _train
 report = {"results": run_scenarios(registry.all_patches()["deepspeed/checkpoint-weights-only"])}
 report["applied"] = _runtime.applied_ids()
 engine = _engine(2)
@@ -117,7 +117,7 @@ print("R " + json.dumps(report))
 def _run_recovery_script(folder, **env):
     """`python <checkpoint>/zero_to_fp32.py <checkpoint> <output>` as users run it (a script: no import hook)."""
     output = os.path.join(folder, "pytorch_model.bin")
-    proc = run_python([os.path.join(folder, "zero_to_fp32.py"), folder, output], env=clean_env(**env), check=False)
+    proc = run_python([os.path.join(folder, "zero_to_fp32.py"), folder, output], env=clean_env(**env), check=False, warm="base")
     return proc.returncode == 0 and os.path.isfile(output), proc.stderr
 
 
@@ -125,7 +125,7 @@ def test_patched_stock_and_each_target_left_out_in_one_process(tmp_path):
     if not affected():
         pytest.skip("deepspeed >= 0.16.0 passes weights_only=False itself: see the fixed-release test")
     folder = str(tmp_path / "ckpt")
-    proc = run_python(["-c", ONE_PROCESS, PID, json.dumps(NEEDED_BY), folder], env=clean_env(DSPATCH="1"))
+    proc = run_python(["-c", ONE_PROCESS, PID, json.dumps(NEEDED_BY), folder], env=clean_env(DSPATCH="1"), warm="stack")
     report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
     assert PID in report["applied"]
     # with the patch: every round trip resumes with bit-identical losses (stages 0-3, same and fresh engine),
@@ -162,7 +162,7 @@ def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy
     site, package = deepspeed_copy
     _apply_diff(site)
     folder = os.path.join(os.path.dirname(site), "ckpt")
-    proc = run_python(["-c", SCENARIOS_THEN_SAVE, folder], env=clean_env(PYTHONPATH=site))
+    proc = run_python(["-c", SCENARIOS_THEN_SAVE, folder], env=clean_env(PYTHONPATH=site), warm="stack")
     outcome = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
     assert outcome["applied"] == [] and outcome["results"] == ALL_OK
     # the fixed install's zero_to_fp32.py is what save_checkpoint copies: that script then works as it is

@@ -65,7 +65,7 @@ form = sys.argv[1]
 if form == "monkeypatch":
     import dspatch; dspatch.apply(["deepspeed/engine-module-hint"], strict=True)
 import torch
-from dspatch.patches.deepspeed.engine_module_hint import engine_for, gpt2_model, reward_model
+from dspatch.patches.deepspeed.engine_module_hint_reproducers import engine_for, gpt2_model, reward_model
 from deepspeed.runtime.engine import DeepSpeedEngine
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -117,7 +117,7 @@ print("R " + json.dumps(report))
 
 
 def _observe(form, env):
-    proc = run_python(["-c", OBSERVE, form], env=env)
+    proc = run_python(["-c", OBSERVE, form], env=env, warm="stack")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
 
 
@@ -165,7 +165,7 @@ for target in patch.targets:
 _runtime.Transaction.recode = real
 print("R " + json.dumps(report))
 '''
-    proc = run_python(["-c", code])
+    proc = run_python(["-c", code], warm="stack")
     report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
     assert set(report) == {t.qualname for t in PATCH.targets}
     for qualname, (verdict, results) in report.items():
@@ -189,7 +189,7 @@ def test_a_drifted_target_keeps_the_patch_out(qualname, deepspeed_copy):
     target = next(t for t in PATCH.targets if t.qualname == qualname)
     _drift(package, target)
     proc = run_python(["-m", "dspatch.verify", PID, "--only", "gpt2_engine_model"],
-                      env=clean_env(PYTHONPATH=site, DSPATCH=PID))
+                      env=clean_env(PYTHONPATH=site, DSPATCH=PID), warm="base")
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
     assert len(said) == 1 and f"{PID} skipped" in said[0] and str(target) in said[0], said
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -214,7 +214,7 @@ lines = (patched.co_firstlineno == stock.co_firstlineno, patched.co_filename == 
 dspatch.revert()
 print("R", first, second, same, patched is not stock, lines == (True, True), function.__code__ is stock)
 '''
-    out = [line for line in run_python(["-c", code]).stdout.splitlines() if line.startswith("R ")][-1]
+    out = [line for line in run_python(["-c", code], warm="stack").stdout.splitlines() if line.startswith("R ")][-1]
     assert out == "R applied applied True True True True"
 
 
@@ -223,7 +223,7 @@ print("R", first, second, same, patched is not stock, lines == (True, True), fun
 # that argument (read `.config` and its sizes, count `.parameters()`, set `._num_params`), on a GPT-2 engine:
 CALL_SHAPE = r'''
 import json
-from dspatch.patches.deepspeed.engine_module_hint import engine_for, gpt2_model
+from dspatch.patches.deepspeed.engine_module_hint_reproducers import engine_for, gpt2_model
 
 def throughput_reads(hf_model):
     config = hf_model.config
@@ -245,7 +245,7 @@ print("R " + json.dumps(report))
 @pytest.mark.parametrize("dspatch_on", [False, True])
 def test_deepspeed_chat_fixed_call_shape(dspatch_on):
     env = clean_env(DSPATCH=PID) if dspatch_on else clean_env()
-    out = [line for line in run_python(["-c", CALL_SHAPE], env=env).stdout.splitlines() if line.startswith("R ")]
+    out = [line for line in run_python(["-c", CALL_SHAPE], env=env, warm="stack").stdout.splitlines() if line.startswith("R ")]
     report = json.loads(out[-1][2:])
     assert report["fixed call (engine.module)"][0] == [2, 32, 128]
     assert report["fixed call (engine.module)"][1] > 0

@@ -53,7 +53,7 @@ def test_stock_upstream_reproduces_exactly():
 
 def test_dspatch_env_fixes_every_round_trip():
     ids = [PID, WEIGHTS_ONLY] if _with_weights_only_patch() else [PID]
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=",".join(ids)))
+    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=",".join(ids)), warm="base")
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(ids) <= set(outcome["applied"]) and outcome["results"] == ALL_OK
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
@@ -74,7 +74,7 @@ OBSERVE = r'''
 import gc, json, os, sys, tempfile, weakref
 import torch
 import dspatch
-from dspatch.patches.deepspeed import frozen_param_names as F
+from dspatch.patches.deepspeed import frozen_param_names_reproducers as F
 from dspatch.scenario import init_deepspeed
 init_deepspeed()
 
@@ -115,7 +115,7 @@ def untouched(stage):
 
 report = {}
 stock = {stage: untouched(stage) for stage in (2, 3)}
-verdict = dspatch.apply([F.PATCH.id], strict=True)[F.PATCH.id][0]
+verdict = dspatch.apply(["deepspeed/frozen-param-names"], strict=True)["deepspeed/frozen-param-names"][0]
 report["late apply"] = verdict
 for stage in (2, 3):
     patched = untouched(stage)
@@ -159,7 +159,7 @@ print("R " + json.dumps(report))
 
 
 def test_nothing_replaced_stays_stock_and_the_shared_dict_is_kept_current():
-    proc = run_python(["-c", OBSERVE])
+    proc = run_python(["-c", OBSERVE], warm="stack")
     report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
     assert report == {
         "late apply": gating.APPLIED,
@@ -192,5 +192,5 @@ dspatch.revert()
 print("R", first, second, same, all(p is not s for p, s in zip(patched, stock)), lines,
       all(f.__code__ is s for f, s in zip(functions, stock)))
 '''
-    out = [line for line in run_python(["-c", code]).stdout.splitlines() if line.startswith("R ")][-1]
+    out = [line for line in run_python(["-c", code], warm="stack").stdout.splitlines() if line.startswith("R ")][-1]
     assert out == "R applied applied True True True True"

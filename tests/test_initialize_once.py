@@ -81,7 +81,7 @@ def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy
 
 TABLE = r'''
 import json, sys, warnings
-from dspatch.patches.deepspeed import initialize_once as io
+from dspatch.patches.deepspeed import initialize_once_reproducers as io
 
 def short(e):
     return f"{type(e).__name__}: {' '.join(str(e).split())[:90]}"
@@ -136,11 +136,12 @@ report = {"stock": {}, "patched": {}}
 for key in ROWS:
     report["stock"][key] = row(*ROWS[key])
 import dspatch
-assert dspatch.apply([io.PID], strict=True)[io.PID][0] == "applied"
-io._warned.clear()
+from dspatch.patches.deepspeed import initialize_once as fix
+assert dspatch.apply([fix.PID], strict=True)[fix.PID][0] == "applied"
+fix._warned.clear()
 for key in ROWS:
     report["patched"][key] = row(*ROWS[key])
-    io._warned.clear()  # "once" per process: each row starts fresh
+    fix._warned.clear()  # "once" per process: each row starts fresh
 print("R " + json.dumps(report))
 '''
 
@@ -164,7 +165,7 @@ ALLOWED = {"different model 3->3", "after destroy 3->3"}
 
 @pytest.fixture(scope="module")
 def table():
-    proc = run_python(["-c", TABLE, json.dumps(ROWS)])
+    proc = run_python(["-c", TABLE, json.dumps(ROWS)], warm="stack")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
 
 

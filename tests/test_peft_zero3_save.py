@@ -75,7 +75,7 @@ def test_stock_log_carries_the_signature(stock):
 
 @affected
 def test_dspatch_env_saves_the_trained_adapter(stock):
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID))
+    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID), warm="base")
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
@@ -88,7 +88,7 @@ def test_dspatch_env_saves_the_trained_adapter(stock):
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
     site, package = package_copy("transformers")
     apply_upstream_diff(PATCH, _transformers_version(), site)
-    where = run_python(["-c", "import transformers.trainer as t; print(t.__file__)"], env=clean_env(PYTHONPATH=site))
+    where = run_python(["-c", "import transformers.trainer as t; print(t.__file__)"], env=clean_env(PYTHONPATH=site), warm="base")
     assert where.stdout.strip() == os.path.join(package, "trainer.py")
     outcome = verify(PID, clean_env(PYTHONPATH=site))
     assert outcome["applied"] == [] and outcome["results"] == ALL_OK
@@ -132,7 +132,7 @@ SAME_AS_STOCK = r'''
 import hashlib, json, os, shutil, sys, tempfile
 import torch
 import dspatch
-from dspatch.patches.transformers import peft_zero3_save as P
+from dspatch.patches.transformers import peft_zero3_save_reproducers as P
 from dspatch.scenario import init_deepspeed
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -181,7 +181,7 @@ def job(peft, gather):
 report = {}
 for when in ("stock", "patched"):
     if when == "patched":
-        assert dspatch.apply([P.PID])[P.PID][0] == "applied"
+        assert dspatch.apply(["transformers/peft-zero3-save"])["transformers/peft-zero3-save"][0] == "applied"
     report[when] = {"peft, flag on": job(True, True), "no peft, flag off": job(False, False)}
 print("R " + json.dumps(report))
 '''
@@ -189,7 +189,7 @@ print("R " + json.dumps(report))
 
 @affected
 def test_jobs_that_hit_no_bug_save_bit_identical_files():
-    proc = run_python(["-c", SAME_AS_STOCK], env=clean_env())
+    proc = run_python(["-c", SAME_AS_STOCK], env=clean_env(), warm="stack")
     report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
     for case, stock in report["stock"].items():
         patched = report["patched"][case]

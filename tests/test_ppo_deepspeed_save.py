@@ -72,7 +72,7 @@ def test_stock_upstream_reproduces_exactly():
 
 def test_dspatch_env_fixes_saving():
     _applies_here()
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID))
+    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID), warm="base")
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
@@ -96,7 +96,7 @@ TWO_RANKS = r'''
 import json, os, sys
 import torch.distributed as dist
 from dspatch import _runtime
-from dspatch.patches.trl import ppo_deepspeed_save as P
+from dspatch.patches.trl import ppo_deepspeed_save_reproducers as P
 out, rank = sys.argv[1], int(os.environ["RANK"])
 work = os.path.join(out, f"rank{rank}")
 os.makedirs(work)
@@ -167,7 +167,7 @@ def test_two_ranks_gather_on_every_rank_and_write_on_the_main_one(tmp_path):
 UNTOUCHED = r"""
 import hashlib, importlib, json, os, sys, tempfile
 from dspatch import _runtime, registry
-from dspatch.patches.trl import ppo_deepspeed_save as P
+from dspatch.patches.trl import ppo_deepspeed_save_reproducers as P
 TIMING = {"eps", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
 def history(trainer):  # every logged value, timings aside
@@ -215,8 +215,8 @@ def test_without_deepspeed_and_in_training_nothing_changes():
     if STACK == "trl_tf5":  # the session's time budget: the same trl code, wrapper and pass-through as on mid
         pytest.skip("proven on mid (trl 1.12.0 too): without DeepSpeed the wrapper calls upstream's save_model as "
                     "it is, whichever transformers")
-    stock = json.loads(run_python(["-c", UNTOUCHED, PID], env=clean_env()).stdout.strip().splitlines()[-1])
-    patched = json.loads(run_python(["-c", UNTOUCHED, PID], env=clean_env(DSPATCH=PID)).stdout.strip().splitlines()[-1])
+    stock = json.loads(run_python(["-c", UNTOUCHED, PID], env=clean_env(), warm="stack").stdout.strip().splitlines()[-1])
+    patched = json.loads(run_python(["-c", UNTOUCHED, PID], env=clean_env(DSPATCH=PID), warm="stack").stdout.strip().splitlines()[-1])
     assert stock["applied"] == [] and patched["applied"] == [PID]
     # ZeRO-3 PPO on deepspeed 0.16.9 (bridge) differed between two stock-equivalent processes by more than 1e-5 in
     # a CI rehearsal: compared where it is reproducible; the wrapper does not run during training anywhere

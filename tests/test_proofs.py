@@ -92,7 +92,7 @@ def test_every_target_is_necessary(pid):
     if pid in NECESSITY_PROVEN_BY:
         pytest.skip(f"{pid}: proven target by target in {NECESSITY_PROVEN_BY[pid]}")
     patch = registry.all_patches()[pid]
-    out = run_python(["-m", "dspatch.verify", pid, "--leave-out-each"]).stdout.strip().splitlines()[-1]
+    out = run_python(["-m", "dspatch.verify", pid, "--leave-out-each"], warm="stack").stdout.strip().splitlines()[-1]
     left_out = json.loads(out)["left_out"]
     assert set(left_out) == {t.qualname for t in patch.targets}
     for target, results in left_out.items():  # applied less that target, and scenarios ran (until one failed)
@@ -140,7 +140,7 @@ def test_every_targets_drift_is_caught_in_the_running_process(pid, tmp_path):
     top = patch.modules[0].split(".")[0]
     source = os.path.dirname(gating.module_file(top))
     shutil.copytree(source, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
-    proc = run_python(["-c", DRIFT_EACH, pid, str(tmp_path / top)], env=clean_env(PYTHONPATH=str(tmp_path)))
+    proc = run_python(["-c", DRIFT_EACH, pid, str(tmp_path / top)], env=clean_env(PYTHONPATH=str(tmp_path)), warm="stack")
     report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
     for target in patch.targets:
         assert report[target.qualname] == [gating.DRIFTED, True, []], (target, report[target.qualname])

@@ -6,7 +6,7 @@ import pkgutil
 import pytest
 
 from dspatch import data_dir, gating, registry
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Target
 
 from conftest import ROOT
 
@@ -20,12 +20,15 @@ def test_every_patch_module_is_registered_and_complete():
             found |= {f"{group}.{m.name}" for m in pkgutil.iter_modules([folder])}
     from dspatch import patches as package
 
-    assert found == set(package.MODULES), "a patch module exists that the registry does not list (or vice versa)"
+    # each patch module and, beside it, its reproducers
+    assert found == set(package.MODULES) | {f"{m}_reproducers" for m in package.MODULES}, \
+        "a patch module exists that the registry does not list (or vice versa), or one lacks its reproducers"
     for pid, patch in patches.items():
         assert isinstance(patch, Patch) and pid.startswith(patch.distribution + "/")
         assert patch.targets and all(t.fingerprints for t in patch.targets), pid
         assert patch.links and patch.summary and patch.affected
         assert set(patch.expected_on_stock) <= set(patch.scenarios) and patch.expected_on_stock
+        assert patch.band_check in patch.scenarios
         for diff in patch.diffs.values():
             assert os.path.isfile(os.path.join(data_dir("upstream_prs"), diff)), diff
 
@@ -245,3 +248,71 @@ def test_dspatch_modules_import_each_other_one_way():
     assert not cycles, cycles
     assert graph["_hook"] == set() and graph["gating"] <= {"_hook"}, graph
     assert not any("_boot" in uses for uses in graph.values()), graph
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The framework extension: Target(..., releases=...) and Patch.targets_for / Patch.targets / gating.
+
+
+def _moved_patch():
+    return Patch(id="x/moved", summary="s", distribution="x", affected=">=1.0", fixed_in=None, apply=None,
+                 targets=[Target("x.old", "f", {"a": "1.0"}, releases="<2.0"),
+                          Target("x.new", "f", {"b": "2.0"}, releases=">=2.0"),
+                          Target("x.common", "g", {"c": "1.0-2.0"})])
+
+
+def _files(tmp_path, files):
+    paths = {}
+    for module, body in files.items():
+        path = tmp_path / (module.replace(".", "/") + ".py")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(body)
+        paths[module] = str(path)
+    return paths.get
+
+
+def test_banded_targets_by_release():
+    patch = _moved_patch()
+    names = lambda targets: [t.module for t in targets]  # noqa: E731
+    assert names(patch.targets_for("1.5")) == ["x.old", "x.common"]
+    assert names(patch.targets_for("2.0")) == names(patch.targets_for("2.1.dev0")) == ["x.new", "x.common"]
+    assert names(patch.targets_for(None)) == ["x.old", "x.new", "x.common"]
+    assert names(patch.targets_for("not-a-version")) == ["x.common"]
+    # distribution "x" is not installed: every target (the gate says "not installed")
+    assert names(patch.targets) == ["x.old", "x.new", "x.common"] and patch.modules == ("x.old", "x.new", "x.common")
+
+
+def test_targets_without_releases_are_unchanged():
+    patch = Patch(id="x/plain", summary="s", distribution="x", affected=">=0", fixed_in=None, apply=None,
+                  targets=[Target("x.a", "f", {"a": "1"}), Target("x.b", "g", {"b": "1"})])
+    assert patch.targets == patch.all_targets == patch.targets_for("1.0") == patch.targets_for(None)
+    assert all(t.releases is None for t in patch.targets)
+
+
+def test_a_release_is_gated_on_its_own_targets_only(tmp_path):
+    patch = _moved_patch()
+    fp = {}
+    for name, body in (("old", "def f():\n    return 1\n"), ("new", "def f():\n    return 2\n"),
+                       ("common", "def g():\n    return 3\n")):
+        fp[name] = gating.fingerprint_lines(body.splitlines())
+    patch.all_targets[0].fingerprints = {fp["old"]: "1.0"}
+    patch.all_targets[1].fingerprints = {fp["new"]: "2.0"}
+    patch.all_targets[2].fingerprints = {fp["common"]: "1.0-2.0"}
+    # an old release has no x.new, a new one no x.old: each is judged on what it has
+    old = _files(tmp_path / "old", {"x.old": "def f():\n    return 1\n", "x.common": "def g():\n    return 3\n"})
+    new = _files(tmp_path / "new", {"x.new": "def f():\n    return 2\n", "x.common": "def g():\n    return 3\n"})
+    assert gating.evaluate(patch, version="1.5", locate=old)[1] == gating.APPLIES
+    assert gating.evaluate(patch, version="2.0", locate=new)[1] == gating.APPLIES
+    # a new release without the new module, or with other code there, is not one the patch knows
+    _, verdict, reason = gating.evaluate(patch, version="2.0", locate=old)
+    assert verdict == gating.DRIFTED and reason.startswith("x.new not found"), reason
+    drifted = _files(tmp_path / "drift", {"x.new": "def f():\n    return 20\n", "x.common": "def g():\n    return 3\n"})
+    _, verdict, reason = gating.evaluate(patch, version="2.0", locate=drifted)
+    assert verdict == gating.DRIFTED and "x.new:f differs" in reason, reason
+
+
+def test_a_release_with_no_target_is_never_patched(tmp_path):
+    patch = Patch(id="x/gone", summary="s", distribution="x", affected=">=0", fixed_in=None, apply=None,
+                  targets=[Target("x.old", "f", {"a": "1.0"}, releases="<2.0")])
+    _, verdict, reason = gating.evaluate(patch, version="2.0", locate=lambda module: None)
+    assert verdict == gating.DRIFTED and "no code of x 2.0 is known to this patch" in reason, reason

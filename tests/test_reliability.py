@@ -80,7 +80,7 @@ print(json.dumps(out))
 
 
 def _train(env):
-    proc = run_python(["-c", TRAIN], env=env)
+    proc = run_python(["-c", TRAIN], env=env, warm="base")
     return last_json(proc), proc.stderr
 
 
@@ -174,7 +174,7 @@ def test_revert_mid_process_gives_back_stock_behaviour_for_every_patch():
     if not APPLICABLE:
         pytest.skip("no patch applies to this stack")
     behaviour = [pid for pid in REVERT_BEHAVIOUR if pid in APPLICABLE]
-    out = last_json(run_python(["-c", REVERT, ",".join(behaviour), *APPLICABLE], env=clean_env()))
+    out = last_json(run_python(["-c", REVERT, ",".join(behaviour), *APPLICABLE], env=clean_env(), warm="stack"))
     patches = registry.all_patches()
     assert out["applied"] == dict.fromkeys(APPLICABLE, "applied")
     assert out["changed"] == dict.fromkeys(APPLICABLE, True), out
@@ -237,7 +237,7 @@ print(json.dumps(result))
 def test_a_fault_in_any_patchs_apply_leaves_nothing_of_it_and_the_import_working():
     if not APPLICABLE:
         pytest.skip("no patch applies to this stack")
-    proc = run_python(["-c", FAULT, *APPLICABLE], env=clean_env())
+    proc = run_python(["-c", FAULT, *APPLICABLE], env=clean_env(), warm="stack")
     out = last_json(proc)
     for pid in APPLICABLE:
         row = out[pid]
@@ -277,7 +277,7 @@ def test_targets_imported_from_two_threads_at_once_are_patched_exactly_once():
         pytest.skip("no patch applies to this stack")
     patches = registry.all_patches()
     modules = sorted({m for pid in APPLICABLE for m in patches[pid].modules})
-    proc = run_python(["-c", THREADS, *modules], env=clean_env(DSPATCH="1"))
+    proc = run_python(["-c", THREADS, *modules], env=clean_env(DSPATCH="1"), warm="base")
     out = last_json(proc)
     assert out["errors"] == [], out
     # every applicable patch applied once, one change per target

@@ -53,7 +53,7 @@ def test_stock_upstream_reproduces_exactly():
 
 def test_dspatch_env_fixes_it():
     _applies()
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID))
+    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID), warm="base")
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
@@ -72,7 +72,7 @@ def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
 OBSERVE = r'''
 import json
 import dspatch
-from dspatch.patches.transformers import trainer_scheduler_after_deepspeed as T
+from dspatch.patches.transformers import trainer_scheduler_after_deepspeed_reproducers as T
 
 def job(deepspeed, freeze_norms=False):
     lrs, losses, trainer = T.run_trainer(deepspeed, freeze_norms=freeze_norms)
@@ -88,7 +88,7 @@ def jobs():
             "ds optimizer and scheduler": job(T.ds_config(optimizer=True, scheduler=True), True)}
 
 report["stock"] = jobs()
-report["late apply"] = dspatch.apply([T.PID], strict=True)[T.PID][0]
+report["late apply"] = dspatch.apply(["transformers/trainer-scheduler-after-deepspeed"], strict=True)["transformers/trainer-scheduler-after-deepspeed"][0]
 report["patched"] = jobs()
 print("R " + json.dumps(report))
 '''
@@ -99,7 +99,7 @@ def test_jobs_without_the_bug_stay_stock():
     DeepSpeed config with the empty group: losses and every learning rate bit-identical to stock, the Trainer's
     scheduler the same kind of object."""
     _applies()
-    proc = run_python(["-c", OBSERVE])
+    proc = run_python(["-c", OBSERVE], warm="stack")
     report = json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
     assert report["late apply"] == gating.APPLIED
     assert report["patched"] == report["stock"]

@@ -55,7 +55,7 @@ def test_together_with_zero3_module_id():
     other = registry.all_patches()[MODULE_ID]
     if not _applies() or gating.evaluate(other)[1] != gating.APPLIES:
         pytest.skip("deepspeed/zero3-module-id does not apply on this stack")
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=f"{PID},{MODULE_ID}"))
+    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=f"{PID},{MODULE_ID}"), warm="stack")
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(outcome["applied"]) == {PID, MODULE_ID} and outcome["results"] == ALL_OK
 
@@ -74,7 +74,7 @@ def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy
 OBSERVE = r'''
 import json, torch
 import dspatch
-from dspatch.patches.deepspeed import zero3_frozen_checkpointing as Z
+from dspatch.patches.deepspeed import zero3_frozen_checkpointing_reproducers as Z
 def run():
     out = {}
     for mode in (None, True):
@@ -82,7 +82,7 @@ def run():
         out[str(mode)] = (losses, {n: p.flatten().tolist() for n, p in params.items()})
     return out
 stock = run()
-verdict = dspatch.apply([Z.PATCH.id], strict=True)[Z.PATCH.id][0]
+verdict = dspatch.apply(["deepspeed/zero3-frozen-checkpointing"], strict=True)["deepspeed/zero3-frozen-checkpointing"][0]
 patched = run()
 print(json.dumps({"verdict": verdict, "same": {m: stock[m] == patched[m] for m in stock},
                   "losses": {m: stock[m][0] for m in stock}}))
@@ -92,7 +92,7 @@ print(json.dumps({"verdict": verdict, "same": {m: stock[m] == patched[m] for m i
 def test_runs_without_recompute_of_frozen_weights_are_bit_identical_to_stock():
     if not _applies():
         pytest.skip("fixed upstream on this stack")
-    proc = run_python(["-c", OBSERVE], env=clean_env())
+    proc = run_python(["-c", OBSERVE], env=clean_env(), warm="stack")
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["verdict"] == "applied" and report["same"] == {"None": True, "True": True}, report
     assert report["losses"]["None"] == report["losses"]["True"]  # and reentrant equals no checkpointing
@@ -106,7 +106,7 @@ def test_runs_without_recompute_of_frozen_weights_are_bit_identical_to_stock():
 # pending-gradient count grows at each recompute).
 SWEEP = r'''
 import json
-from dspatch.patches.deepspeed import zero3_frozen_checkpointing as Z
+from dspatch.patches.deepspeed import zero3_frozen_checkpointing_reproducers as Z
 frozen = {n for n, p in Z._model().named_parameters() if not p.requires_grad}
 gathered = []
 Z.train_plain(False, steps=2, accumulation=2, gathered=gathered)
@@ -117,7 +117,7 @@ print(json.dumps([sorted(g & frozen) for g in gathered]))
 def test_frozen_weights_released_at_the_end_of_each_backward():
     if not _applies():
         pytest.skip("fixed upstream on this stack")
-    proc = run_python(["-c", SWEEP], env=clean_env(DSPATCH=PID))
+    proc = run_python(["-c", SWEEP], env=clean_env(DSPATCH=PID), warm="stack")
     left = json.loads(proc.stdout.strip().splitlines()[-1])
     from packaging.version import Version
 

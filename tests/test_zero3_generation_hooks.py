@@ -94,7 +94,7 @@ def test_upstream_diff_keeps_working_with_a_deepspeed_before_the_rename(package_
 PROBE = r'''
 import hashlib, json
 import torch
-from dspatch.patches.trl import zero3_generation_hooks as z
+from dspatch.patches.trl import zero3_generation_hooks_reproducers as z
 from dspatch.spec import BugSeen
 
 def digest(params):
@@ -131,7 +131,7 @@ print("R " + json.dumps(report))
 
 
 def _probe(env, *args):
-    out = run_python(["-c", PROBE, *args], env=env).stdout
+    out = run_python(["-c", PROBE, *args], env=env, warm="stack").stdout
     return json.loads([line for line in out.splitlines() if line.startswith("R ")][-1][2:])
 
 
@@ -174,7 +174,7 @@ def test_apply_after_import_and_revert():
 import dis, json
 import trl.models.utils as u
 import dspatch
-from dspatch.patches.trl import zero3_generation_hooks as z
+from dspatch.patches.trl import zero3_generation_hooks_reproducers as z
 from dspatch.spec import BugSeen
 function, code = u.add_hooks, u.add_hooks.__code__
 names = lambda c: sorted({i.argval for i in dis.get_instructions(c) if i.opname in ("LOAD_ATTR", "LOAD_METHOD")})
@@ -196,7 +196,7 @@ report["restored"] = u.add_hooks.__code__ is code
 report["after_revert"] = outcome()
 print("R " + json.dumps(report))
 '''
-    out = run_python(["-c", code]).stdout
+    out = run_python(["-c", code], warm="stack").stdout
     report = json.loads([line for line in out.splitlines() if line.startswith("R ")][-1][2:])
     assert report == {"applied": "applied", "same_object": True, "line": True, "file": True,
                       "added": ["_register_deepspeed_module"], "removed": ["_register_hooks_recursively"],

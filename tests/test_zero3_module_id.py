@@ -54,7 +54,7 @@ def target_state():
 
 def _reported_lines(code):
     """The lines a probe printed after "R " (deepspeed prints its own config on stdout too), under DSPATCH=PID."""
-    out = run_python(["-c", code], env=clean_env(DSPATCH=PID)).stdout
+    out = run_python(["-c", code], env=clean_env(DSPATCH=PID), warm="stack").stdout
     return [line[2:] for line in out.splitlines() if line.startswith("R ")]
 
 
@@ -94,11 +94,11 @@ def test_own_ds_id_is_refused_with_a_clear_message():
         pytest.skip("deepspeed >= 0.16.4: upstream owns ds_id and the patch stays out")
     code = ("import dspatch; dspatch.apply(['deepspeed/zero3-module-id'], strict=True)\n"
             "from dspatch.scenario import init_deepspeed, zero3_config\n"
-            "from dspatch.patches.deepspeed.zero3_module_id import _moe_model\n"
+            "from dspatch.patches.deepspeed.zero3_module_id_reproducers import _moe_model\n"
             "ds = init_deepspeed(); m = _moe_model(); m.experts[1].ds_id = 'mine'\n"
             "try:\n    ds.initialize(model=m, config=zero3_config(), model_parameters=m.parameters())\n"
             "except ValueError as e:\n    print('REFUSED', e)\n")
-    out = run_python(["-c", code]).stdout
+    out = run_python(["-c", code], warm="stack").stdout
     assert "REFUSED Expert already has an attribute ds_id='mine' that DeepSpeed did not set" in out
 
 
@@ -146,7 +146,7 @@ def test_drifted_source_keeps_the_patch_out_and_the_job_running(deepspeed_copy):
     site, package = deepspeed_copy
     _drift(package)
     proc = run_python(["-m", "dspatch.verify", PID, "--only", "user_id_survives"],
-                      env=clean_env(PYTHONPATH=site, DSPATCH="1"))
+                      env=clean_env(PYTHONPATH=site, DSPATCH="1"), warm="base")
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
     assert len(said) == 1, said  # reported once
     assert "deepspeed/zero3-module-id skipped" in said[0] and "differs from every release" in said[0]
@@ -156,7 +156,7 @@ def test_drifted_source_keeps_the_patch_out_and_the_job_running(deepspeed_copy):
     assert PID not in outcome["applied"] and outcome["results"]["user_id_survives"].startswith("bug:")
     # nothing half-applied: every target is upstream's own function
     code = TARGET_STATE + "import deepspeed\nprint(any(target_state().values()))"
-    assert run_python(["-c", code], env=clean_env(PYTHONPATH=site, DSPATCH="1")).stdout.strip().endswith("False")
+    assert run_python(["-c", code], env=clean_env(PYTHONPATH=site, DSPATCH="1"), warm="base").stdout.strip().endswith("False")
     # --check agrees, and --strict turns drift into a non-zero exit
     check = run_python(["-m", "dspatch.apply", "--check", "--strict"], env=clean_env(PYTHONPATH=site), check=False)
     assert check.returncode == 1 and "drifted" in check.stdout
@@ -168,7 +168,7 @@ def test_strict_makes_drift_an_import_error(deepspeed_copy):
     site, package = deepspeed_copy
     _drift(package)
     proc = run_python(["-c", "import deepspeed"], env=clean_env(PYTHONPATH=site, DSPATCH="1", DSPATCH_STRICT="1"),
-                      check=False)
+                      check=False, warm="base")
     assert proc.returncode != 0 and "PatchError" in proc.stderr and "DSPATCH_STRICT=1" in proc.stderr
 
 
@@ -178,7 +178,7 @@ def test_strict_set_from_code_also_makes_drift_an_import_error(deepspeed_copy):
     site, package = deepspeed_copy
     _drift(package)
     code = "import dspatch; dspatch.apply(['deepspeed/zero3-module-id'], strict=True); import deepspeed"
-    proc = run_python(["-c", code], env=clean_env(PYTHONPATH=site), check=False)
+    proc = run_python(["-c", code], env=clean_env(PYTHONPATH=site), check=False, warm="base")
     assert proc.returncode != 0 and "PatchError" in proc.stderr and "internal error" not in proc.stderr
 
 
@@ -190,7 +190,7 @@ def test_import_order_revert_and_idempotence():
 import json, deepspeed, dspatch
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
-from dspatch.patches.deepspeed import zero3_module_id as p
+from dspatch.patches.deepspeed import zero3_module_id_reproducers as p
 from dspatch.spec import BugSeen
 attributes = {(c, n): v for c in (O, C) for n, v in vars(c).items()}
 codes = {n: f.__code__ for n, f in vars(C).items() if hasattr(f, "__code__")}
@@ -220,7 +220,7 @@ report["restored"] = all(f.__code__ is codes[n] for n, f in vars(C).items() if h
 report["after_revert"] = outcome()
 print(json.dumps(report))
 '''
-    report = __import__("json").loads(run_python(["-c", code]).stdout.strip().splitlines()[-1])
+    report = __import__("json").loads(run_python(["-c", code], warm="stack").stdout.strip().splitlines()[-1])
     assert report == {"first": "applied", "second": "applied", "patched_state": True, "same_objects": True,
                       "applied_once": True, "defaults_kept": True, "patched": "ok", "plain_revert": "refused",
                       "reverted": [PID], "restored": True, "after_revert": "bug"}
@@ -253,7 +253,7 @@ for t in patch.targets:
                  sorted(added), sorted(removed)])
 print(json.dumps(rows))
 '''
-    rows = __import__("json").loads(run_python(["-c", code]).stdout.strip().splitlines()[-1])
+    rows = __import__("json").loads(run_python(["-c", code], warm="stack").stdout.strip().splitlines()[-1])
     assert len(rows) == len(PATCH.targets)
     for row in rows:
         assert row[1:5] == [True] * 4, row
@@ -264,8 +264,8 @@ print(json.dumps(rows))
 def test_importing_the_launcher_adds_dspatch_to_its_export_list():
     """Only the launcher's list is checked here (no launcher runs: see the launcher tests)."""
     code = "import deepspeed.launcher.runner as r; print('DSPATCH' in r.EXPORT_ENVS)"
-    assert run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().endswith("True")
-    assert run_python(["-c", code], env=clean_env()).stdout.strip().endswith("False")
+    assert run_python(["-c", code], env=clean_env(DSPATCH="1"), warm="base").stdout.strip().endswith("True")
+    assert run_python(["-c", code], env=clean_env(), warm="base").stdout.strip().endswith("False")
 
 
 def test_a_patch_that_fails_part_way_is_rolled_back_whole():
@@ -293,7 +293,7 @@ except Exception as e:
     strict = type(e).__name__
 print(json.dumps({"verdict": result["deepspeed/zero3-module-id"], "wrapped": wrapped, "strict": strict}))
 '''
-    proc = run_python(["-c", code])
+    proc = run_python(["-c", code], warm="stack")
     report = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
     assert report["verdict"][0] == "failed" and "injected failure" in report["verdict"][1]
     assert report["wrapped"] == [], "half-applied"
@@ -330,12 +330,12 @@ def test_late_apply_after_an_engine_exists_is_refused_whole():
         pytest.skip("nothing to apply on a fixed release")
     code = TARGET_STATE + (
         "import dspatch\n"
-        "from dspatch.patches.deepspeed import zero3_module_id as p\n"
+        "from dspatch.patches.deepspeed import zero3_module_id_reproducers as p\n"
         "from dspatch.spec import BugSeen\n"
         "try:\n    p.user_id_survives()\nexcept BugSeen:\n    pass\n"
         "verdict = dspatch.apply(['deepspeed/zero3-module-id'])['deepspeed/zero3-module-id']\n"
         "print(verdict[0], any(target_state().values()), dspatch.check()[0]['verdict'])")
-    proc = run_python(["-c", code])
+    proc = run_python(["-c", code], warm="base")
     assert proc.stdout.strip().splitlines()[-1] == "failed False failed"
     assert "ZeRO-3 engine(s) exist in this process" in proc.stderr
 
@@ -353,7 +353,7 @@ def test_reloading_a_patched_module_patches_it_again():
         "importlib.reload(pc)\n"
         "print('R', old is not pc.PartitionedParameterCoordinator, all(target_state().values()), "
         "'id' not in _attributes(vars(old)['fetch_sub_module'].__code__), r.applied_ids())\n"
-        "from dspatch.patches.deepspeed.zero3_module_id import expert_ids_through_training\n"
+        "from dspatch.patches.deepspeed.zero3_module_id_reproducers import expert_ids_through_training\n"
         "print('R', expert_ids_through_training())  # parameter_offload still holds the old class\n"
         "importlib.reload(po)  # and the other module\n"
         "print('R', all(target_state().values()), expert_ids_through_training())\n")
@@ -367,7 +367,7 @@ import copy, json, sys
 if sys.argv[1] == "monkeypatch":
     import dspatch; dspatch.apply(["deepspeed/zero3-module-id"], strict=True)
 from dspatch.scenario import init_deepspeed, zero3_config
-from dspatch.patches.deepspeed.zero3_module_id import _moe_model, _train
+from dspatch.patches.deepspeed.zero3_module_id_reproducers import _moe_model, _train
 ds = init_deepspeed()
 model = _moe_model()
 engine, *_ = ds.initialize(model=model, config=zero3_config(), model_parameters=model.parameters())
@@ -397,7 +397,7 @@ def test_deepspeeds_own_ds_id_is_recognised_on_a_copy_and_a_changed_one_is_refus
         site, _ = deepspeed_copy
         _apply_diff(site, deepspeed_version())
         env = clean_env(PYTHONPATH=site)
-    out = run_python(["-c", COPY_AND_REINIT, form], env=env).stdout.strip().splitlines()[-1]
+    out = run_python(["-c", COPY_AND_REINIT, form], env=env, warm="stack").stdout.strip().splitlines()[-1]
     how = "same model" if Version(deepspeed_version()) < Version("0.15") else "copy"
     assert out == f"{how} refused Expert already has an attribute ds_id=7", out
 
@@ -410,7 +410,7 @@ def test_a_fresh_import_after_sys_modules_was_purged_is_patched_too():
         pytest.skip("nothing to apply on a fixed release")
     code = TARGET_STATE + (
         "import sys, deepspeed, dspatch._runtime as r\n"
-        "from dspatch.patches.deepspeed.zero3_module_id import expert_ids_through_training\n"
+        "from dspatch.patches.deepspeed.zero3_module_id_reproducers import expert_ids_through_training\n"
         "first = expert_ids_through_training()\n"
         "old = sys.modules['deepspeed.runtime.zero.partitioned_param_coordinator'].PartitionedParameterCoordinator\n"
         "for name in ('deepspeed.runtime.zero.partitioned_param_coordinator', "

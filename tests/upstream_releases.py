@@ -156,6 +156,72 @@ def wheel(project, version):
     return path
 
 
+def release_versions(project, low, high):
+    """Every release low..high (no pre-releases, none yanked): those with an sdist, and those published as a
+    pure-Python wheel only (trl 0.9.2-0.9.6, 0.12.1)."""
+    from packaging.version import InvalidVersion, Version
+
+    found = set(sdist_versions(project, low, high))
+    for f in _index(project)["files"]:
+        name = f["filename"]
+        if name.endswith("-py3-none-any.whl") and not f.get("yanked"):
+            try:
+                v = Version(name.split("-")[1])
+            except InvalidVersion:
+                continue
+            if Version(low) <= v <= Version(high) and not v.is_prerelease:
+                found.add(str(v))
+    return sorted(found, key=Version)
+
+
+def release_tree(project, version, paths):
+    """A folder holding `paths` (repository paths: "deepspeed/runtime/engine.py", "src/accelerate/accelerator.py")
+    as that release has them, read once from its sdist (or its wheel, for a release published without one) into
+    the cache; paths the release lacks are simply not there. Returns the folder, laid out as the repository."""
+    import zipfile
+
+    root = os.path.join(CACHE, "trees", f"{project}-{version}")
+    asked = os.path.join(root, ".asked.json")
+    known = set(json.load(open(asked))) if os.path.exists(asked) else set()
+    wanted = set(paths) - known
+    if not wanted:
+        return root
+    names = {}  # a wheel has no src/ level: its file serves both forms of the path
+    for path in wanted:
+        names.setdefault(path[4:] if path.startswith("src/") else path, []).append(path)
+    if f"{project}-{version}.tar.gz" in {f["filename"] for f in _index(project)["files"]}:
+        with tarfile.open(sdist(project, version), "r|gz") as tar:
+            for member in tar:
+                relative = member.name.split("/", 1)[-1]
+                if member.isfile() and relative in wanted:
+                    with tar.extractfile(member) as src:
+                        _store(os.path.join(root, relative), src.read())
+    else:
+        with zipfile.ZipFile(wheel(project, version)) as whl:
+            for name in whl.namelist():
+                for path in names.get(name, ()):
+                    _store(os.path.join(root, path), whl.read(name))
+    _store(asked, json.dumps(sorted(known | wanted)).encode())
+    return root
+
+
+def module_paths(module):
+    """The repository paths where a module's source can be (a module or a package; src/ layout or not)."""
+    base = module.replace(".", "/")
+    return [f"{prefix}{base}{suffix}" for prefix in ("", "src/") for suffix in (".py", "/__init__.py")]
+
+
+def tree_locate(root):
+    """module -> path of its source in a release_tree (None when the release lacks it), for gating.evaluate."""
+    def locate(module):
+        for path in module_paths(module):
+            if os.path.isfile(os.path.join(root, path)):
+                return os.path.join(root, path)
+        return None
+
+    return locate
+
+
 def released_fingerprints(patch, versions, into):
     """{target qualname: set of its fingerprints} over the released sources of `versions`."""
     from dspatch import gating
