@@ -116,10 +116,18 @@ def demo(session):
     session.run("python", "-m", "dspatch.apply", "--check", env=env)
     job = ["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
            "examples/zero3_expert_ids.py"]
-    session.log("stock deepspeed 0.14.4: the experts' own ids are overwritten")
-    session.run(*job, env=env)
-    session.log("DSPATCH=1: the same job, patched on every rank")
-    session.run(*job, "--require-fixed", env={**env, "DSPATCH": "1"})
+    seen = {}
+    for label, extra, args in (("stock deepspeed 0.14.4", {}, []), ("DSPATCH=1", {"DSPATCH": "1"}, ["--require-fixed"])):
+        session.log(f"{label}: a 2-rank ZeRO-3 job whose experts carry their own ids")
+        out = session.run(*job, *args, env={**env, **extra}, silent=True)
+        seen[label] = sorted(line for line in out.splitlines() if line.startswith("rank "))
+        for line in seen[label]:
+            session.log(f"  {line}")
+    stock, patched = seen.values()
+    session.log("summary: stock: " + ("ids overwritten on both ranks" if all("BUG" in x for x in stock) and len(stock) == 2
+                                      else f"{stock}"))
+    session.log("         DSPATCH=1: " + ("ids kept on both ranks" if all("kept" in x for x in patched) and
+                                          len(patched) == 2 else f"{patched}"))
 
 
 @nox.session(python="3.11")

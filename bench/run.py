@@ -4,7 +4,9 @@
 
 1. start-up: `python -c pass` in a fresh venv without dspatch, and in one with the dspatch wheel installed,
    DSPATCH unset and DSPATCH=1 (interleaved runs); plus what DSPATCH=1 imports, from -X importtime.
-2. `python -m dspatch.apply --check` against `python -c "import deepspeed"`.
+2. importing what a training script imports (deepspeed, transformers, the Trainer, accelerate, trl, peft) with
+   DSPATCH=1 against unset, with dspatch's cache of computed results warm and cold (emptied before each run);
+   and `python -m dspatch.apply --check` against `python -c "import deepspeed"`, cache warm and cold.
 3. ZeRO-3 training steps with DSPATCH=1 against stock (bench/zero3_steps.py, alternating runs): wall time
    with a bootstrap interval, and Python opcodes per step (exact); fails when a target is not in force.
 """
@@ -70,13 +72,44 @@ def startup():
     print(f"   DSPATCH=1 imports at start-up (-X importtime, cumulative): {statistics.median(costs) * 1e3:.2f} ms")
 
 
-def check_vs_import():
-    runs = 3 if QUICK else 7
-    check = wall([sys.executable, "-m", "dspatch.apply", "--check"], env(), runs)
-    imp = wall([sys.executable, "-c", "import deepspeed"], env(), runs)
-    c, i = statistics.median(check), statistics.median(imp)
-    print(f"\n2. `python -m dspatch.apply --check` {c * 1e3:.0f} ms vs `import deepspeed` {i * 1e3:.0f} ms: "
-          f"{100 * c / i:.1f}% (medians of {runs})")
+STACK_IMPORT = "import deepspeed, transformers, transformers.trainer, accelerate, trl, peft"
+
+
+def import_and_check():
+    """The stack's import with DSPATCH=1 against unset, and --check against `import deepspeed`, each with the
+    cache warm and cold, interleaved runs (one cache folder for all, XDG_CACHE_HOME; cold: dspatch's part of it
+    emptied right before the run)."""
+    import shutil
+
+    runs = 5 if QUICK else 9
+    cache = tempfile.mkdtemp(prefix="dspatch-bench-cache-")
+    computed = os.path.join(cache, "dspatch", "computed")
+    base = env(XDG_CACHE_HOME=cache)
+    cases = {"import, DSPATCH unset": ([sys.executable, "-c", STACK_IMPORT], base, False),
+             "import, DSPATCH=1, cache warm": ([sys.executable, "-c", STACK_IMPORT], {**base, "DSPATCH": "1"}, False),
+             "import, DSPATCH=1, cache cold": ([sys.executable, "-c", STACK_IMPORT], {**base, "DSPATCH": "1"}, True),
+             "import deepspeed": ([sys.executable, "-c", "import deepspeed"], base, False),
+             "--check, cache warm": ([sys.executable, "-m", "dspatch.apply", "--check"], base, False),
+             "--check, cache cold": ([sys.executable, "-m", "dspatch.apply", "--check"], base, True)}
+    for cmd, e, _ in cases.values():  # warm every file cache of the OS, and dspatch's
+        wall(cmd, e, 1)
+    samples = {k: [] for k in cases}
+    for _ in range(runs):
+        for name, (cmd, e, cold) in cases.items():
+            if cold:
+                shutil.rmtree(computed, ignore_errors=True)
+            samples[name] += wall(cmd, e, 1)
+    m = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"\n2. importing the stack ({STACK_IMPORT[7:]}) and --check, medians of {runs} interleaved runs")
+    for name in cases:
+        print(f"   {name:<32} {m[name] * 1e3:7.0f} ms")
+    unset = m["import, DSPATCH unset"]
+    for state in ("warm", "cold"):
+        print(f"   DSPATCH=1 against unset, cache {state}: x{m[f'import, DSPATCH=1, cache {state}'] / unset:.3f}")
+    for state in ("warm", "cold"):
+        print(f"   --check against `import deepspeed`, cache {state}: "
+              f"{100 * m[f'--check, cache {state}'] / m['import deepspeed']:.1f}%")
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 def ratio_interval(stock, patched, draws=2000):
@@ -129,5 +162,5 @@ def steps():
 
 if __name__ == "__main__":
     startup()
-    check_vs_import()
+    import_and_check()
     steps()

@@ -41,8 +41,7 @@ _unsaid = []  # patches applied since the last summary line
 
 def _flush_applied(just_loaded=None):
     """One line for the patches applied during one top-level import (`import deepspeed` applies several)."""
-    busy = any(top in sys.modules and not _module_ready(top, just_loaded) for top in _hook.WATCHED)
-    if _unsaid and not busy:  # not while a watched package (deepspeed importing transformers...) is loading
+    if _unsaid and not any(top in sys.modules and not _module_ready(top, just_loaded) for top in _hook.WATCHED):  # not while a watched package (deepspeed importing transformers...) is loading
         _say("applied " + ", ".join(_unsaid))
         _unsaid.clear()
 

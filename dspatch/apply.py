@@ -82,28 +82,37 @@ def check(args):
         print(json.dumps(out, indent=2))
         return status
     print(f"dspatch {dspatch.__version__}: {state}")
+    if shown:
+        print("  " + " ".join(f"{k}={v}" for k, v in shown.items()))
     if args.verify:
         print("  --verify runs each reproducer in a fresh interpreter on the CPU (DS_ACCELERATOR=cpu, gloo), "
               "whatever accelerator this machine has")
-    if shown:
-        print("  " + " ".join(f"{k}={v}" for k, v in shown.items()))
-    width = max(len(r.patch.id) for r in rows) + 2
-    for row in rows:
-        pkg = f"{row.patch.distribution}=={row.version}" if row.version else row.patch.distribution
-        print(f"\n{row.patch.id:<{width}}{pkg:<24}{row.verdict}")
-        print(f"  {row.patch.summary}")
-        print(f"  why: {row.reason}")
-        if row.patch.note and row.verdict in (gating.APPLIES, gating.APPLIED):
-            print(f"  note: {row.patch.note}")
-        for link in row.patch.links:
-            print(f"  see: {link}")
+    table = [("patch", "package", "verdict", "why")]
+    table += [(row.patch.id, f"{row.patch.distribution}=={row.version}" if row.version else row.patch.distribution,
+               row.verdict, report.brief(row)) for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(3)]
+    for number, line in enumerate(table):
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[3])
+        if number == 0:
+            print("  ".join("-" * width for width in widths) + "  " + "-" * 3)
+            continue
+        row = rows[number - 1]
+        if args.verbose:
+            print(f"    {row.patch.summary}")
+            print(f"    why: {row.reason}")
+            if row.patch.note and row.verdict in (gating.APPLIES, gating.APPLIED):
+                print(f"    note: {row.patch.note}")
+            for link in row.patch.links:
+                print(f"    see: {link}")
         if row.patch.id in verified:
             v = verified[row.patch.id]
-            print(f"  verify: {'OK' if v['ok'] else 'FAILED'} ({v['summary']})")
+            print(f"    verify: {'OK' if v['ok'] else 'FAILED'} ({v['summary']})")
             stock, patched = v["scenarios"]["stock"], v["scenarios"]["patched"]
             for name in dict.fromkeys([*stock, *patched]):  # what each reproducer saw, in the bug's own words
                 seen = stock.get(name, "not run").split("\n")[0]
                 print(f"    {name}: stock: {seen[:160]}; patched: {patched.get(name, 'not run').split(chr(10))[0][:160]}")
+    if not args.verbose:
+        print("(-v: each patch's summary, full reason, notes and links; --json: everything)")
     return status
 
 
@@ -138,6 +147,8 @@ def main(argv=None):
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--check", action="store_true", help="show every patch's verdict here, and why")
     parser.add_argument("--json", action="store_true", help="with --check: machine-readable output")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="with --check: each patch's summary, full reason, notes and links")
     parser.add_argument("--strict", action="store_true", help="with --check: exit 1 if a patch drifted or failed")
     parser.add_argument("--verify", action="store_true",
                         help="with --check: run each applicable patch's reproducers, stock and patched")

@@ -7,7 +7,6 @@ so `--check` and what happens in a training job cannot disagree.
 import ast
 import hashlib
 import importlib.machinery
-import importlib.metadata
 import io
 import os
 import re
@@ -27,7 +26,53 @@ FAILED = "failed"
 BROKEN = "broken install"
 
 
+_versions = {}
+
+
 def installed_version(distribution):
+    """The installed release of a distribution (None: not installed or unreadable metadata), as
+    importlib.metadata.version gives it; looked up once per search path."""
+    key = (distribution, tuple(sys.path))
+    if key not in _versions:
+        _versions[key] = _version_from_dist_info(distribution)
+    return _versions[key]
+
+
+def _version_from_dist_info(distribution):
+    """The `Version:` of the first `<name>-<version>.dist-info` on sys.path, read directly: importing
+    importlib.metadata (and the email parser it reads metadata with) costs more than all of `--check` else.
+    Anything else (an .egg-info, a zip or egg on sys.path, a METADATA without a plain Version line) is left to
+    importlib.metadata, so the answer is always the one it gives."""
+    wanted = re.sub(r"[-_.]+", "_", distribution).lower()
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            if os.path.isfile(entry):  # a zip or an egg: importlib.metadata looks inside
+                return _metadata_version(distribution)
+            continue
+        for name in names:
+            lowered = name.lower()
+            if lowered.endswith(".egg-info") and re.sub(r"[-_.]+", "_", lowered.split("-")[0]) == wanted:
+                return _metadata_version(distribution)
+            if not lowered.endswith(".dist-info") or re.sub(r"[-_.]+", "_", lowered[:-10].rpartition("-")[0]) != wanted:
+                continue
+            try:
+                with open(os.path.join(entry or ".", name, "METADATA"), encoding="utf-8") as f:
+                    for line in f:
+                        if line.startswith("Version:"):
+                            return line[len("Version:"):].strip() or _metadata_version(distribution)
+                        if not line.strip():
+                            break
+            except (OSError, ValueError):
+                pass
+            return _metadata_version(distribution)  # unreadable here: importlib.metadata decides
+    return None
+
+
+def _metadata_version(distribution):
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -78,10 +123,16 @@ _parsed = {}
 _read = {}
 
 
+def _stamp(path):
+    """What identifies a file's current content within this process: any write changes its ctime."""
+    st = os.stat(path)
+    return path, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino
+
+
 def _lines(path):
     """(source, lines as the parser counts them, index of the lines that start a definition, memo of block ends
     for _block_end)."""
-    key = (path, os.stat(path).st_mtime_ns)
+    key = _stamp(path)
     if key not in _read:
         with open(path, encoding="utf-8") as f:
             source = f.read()
@@ -92,7 +143,7 @@ def _lines(path):
 
 
 def _parse(path):
-    key = (path, os.stat(path).st_mtime_ns)
+    key = _stamp(path)
     if key not in _parsed:
         source, lines, _, _ = _lines(path)
         _parsed[key] = (lines, ast.parse(source, path))
@@ -268,8 +319,38 @@ def fingerprint_lines(lines):
 
 
 def fingerprint(path, qualname):
-    seg = source_segment(path, qualname)
-    return None if seg is None else fingerprint_lines(seg[1])
+    """The fingerprint of a definition in a file (None when it is not there); from dspatch's cache when this
+    file's content was fingerprinted before by this code (see dspatch._cache)."""
+    from dspatch import _cache
+
+    def compute():
+        seg = source_segment(path, qualname)
+        return None if seg is None else fingerprint_lines(seg[1])
+
+    return _cache.memo("fingerprint", [_cache.code_hash(sys.modules[__name__]), _cache.content_hash(path), qualname],
+                       compute)
+
+
+def definition_lines(path, qualname):
+    """(first line, `def` line) of a definition: its first decorator's line and its own (the same without
+    decorators); None when it is not there. What a compiled function's co_firstlineno can be."""
+    from dspatch import _cache
+
+    def compute():
+        seg = source_segment(path, qualname)
+        if seg is None:
+            return None
+        first, lines = seg
+        name = qualname.rsplit(".", 1)[-1]
+        width = _width(lines[0])
+        for offset, line in enumerate(lines):
+            found = _DEF.match(line)
+            if found and found.group(2) == name and len(found.group(1)) == width:
+                return first, first + offset
+        return None
+
+    return _cache.memo("lines", [_cache.code_hash(sys.modules[__name__]), _cache.content_hash(path), qualname],
+                       compute)
 
 
 class Row:

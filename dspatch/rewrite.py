@@ -116,10 +116,9 @@ def upstream_function(obj, target, filename):
     monkeypatches; wrapt and functools.wraps keep it reachable). RewriteError, naming what sits there,
     when the definition cannot be reached: something replaced it without keeping it."""
     name = target.qualname.rsplit(".", 1)[-1]
-    node = gating.definition(filename, target.qualname)
-    first = node and gating.first_line(node)
+    lines = gating.definition_lines(filename, target.qualname) or ()
     found = [f for f in _functions_in(obj, depth=8) if f.__code__.co_name == name
-             and f.__code__.co_filename == filename and f.__code__.co_firstlineno in (first, node.lineno)]
+             and f.__code__.co_filename == filename and f.__code__.co_firstlineno in lines]
     if len(found) != 1:
         raise RewriteError(f"{target} is {_describe(obj)}, from which deepspeed's own function cannot be reached "
                            f"(replaced by another patcher?): the fix would not run")
@@ -145,13 +144,54 @@ def rebuild_code(target, transform, function):
     """The code object of `function` (upstream's own, see upstream_function) recompiled from its module's
     source after `transform`. Installed as `function.__code__`, it changes what every reference to the
     function runs (the class attribute, upstream's decorators, anyone's wrapper around it) while the
-    function object, its defaults, closure (`__class__`), name and identity stay upstream's."""
-    rebuilt = rebuild(target, transform, function, decorators=False)
-    code = _the_function(rebuilt, function.__code__.co_name, function.__code__.co_filename, target).__code__
+    function object, its defaults, closure (`__class__`), name and identity stay upstream's.
+
+    From dspatch's cache when this code of dspatch (gating, rewrite, the transform's module) rebuilt this
+    target from a file with these very bytes before, on this Python (see dspatch._cache)."""
+    from dspatch import _cache
+
+    key = _cache_key(target, transform)
+    compute = lambda: _rebuilt_code(target, transform, function)  # noqa: E731
+    code = compute() if key is None else _cache.memo("rebuilt", key, compute)
     if code.co_freevars != function.__code__.co_freevars:
         raise RewriteError(f"{target}: the rebuilt code needs the free variables {code.co_freevars}, the installed "
                            f"function has {function.__code__.co_freevars}")
     return code
+
+
+def _rebuilt_code(target, transform, function):
+    rebuilt = rebuild(target, transform, function, decorators=False)
+    return _the_function(rebuilt, function.__code__.co_name, function.__code__.co_filename, target).__code__
+
+
+_PLAIN = (str, int, float, bool, type(None), bytes)
+
+
+def _cache_key(target, transform):
+    """What a rebuilt code object depends on, or None when that cannot be told (then it is not cached): the
+    target file's bytes and path, the target, the transform (its module's source, its name, the values it closes
+    over) and dspatch's rebuilding code."""
+    from dspatch import _cache
+
+    module = sys.modules.get(getattr(transform, "__module__", None) or "")
+    cells = []
+    for cell in getattr(transform, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            value = None
+        if not isinstance(value, _PLAIN) and not (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
+            return None
+        cells.append(repr(value))
+    if module is None or not getattr(module, "__file__", None):
+        return None
+    try:
+        path = sys.modules[target.module].__file__  # the code carries it (co_filename): part of what it is
+        return [_cache.code_hash(gating, sys.modules[__name__], module), _cache.content_hash(path), path,
+                target.module, target.qualname,
+                f"{transform.__module__}.{transform.__qualname__}", *cells]
+    except OSError:
+        return None
 
 
 def _the_function(obj, name, filename, target):

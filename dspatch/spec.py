@@ -67,6 +67,7 @@ class Patch:
             targets = [Target(module, qualname, prints) for (module, qualname), prints in targets.items()]
         self.all_targets = tuple(targets)
         self._installed_targets = None
+        self._modules = None
         self.apply = apply
         self.links = tuple(links)
         self.diffs = dict(diffs or {})
@@ -131,7 +132,9 @@ class Patch:
 
     @property
     def modules(self):
-        return tuple(dict.fromkeys(t.module for t in self.targets))
+        if self._modules is None:  # asked on every module load of a watched package: computed once
+            self._modules = tuple(dict.fromkeys(t.module for t in self.targets))
+        return self._modules
 
     def diff_for(self, version):
         """The upstream diff (path under upstream_prs/) for this release, or None."""

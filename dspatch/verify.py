@@ -3,7 +3,8 @@
     python -m dspatch.verify deepspeed/zero3-module-id [--apply] [--only NAME]
     python -m dspatch.verify deepspeed/zero3-module-id --leave-out-each
 
-Prints one JSON object: {"applied": [...], "results": {scenario: "ok" | "bug: ..." | "error: ..."}}.
+Prints one JSON object: {"applied": [...], "results": {scenario: "ok" | "bug: ..." | "error: ..."},
+"files": {target module: its file}}.
 Without --apply the process runs whatever the environment gives it (stock code, DSPATCH via dspatch.pth,
 or an upstream diff applied to a copy on PYTHONPATH); with --apply it calls dspatch.apply(id) first.
 
@@ -97,7 +98,9 @@ def main(argv=None):
     if args.apply:
         dspatch.apply([args.patch_id], strict=True)
     results = run_scenarios(patch, args.only)
-    print(json.dumps({"applied": _runtime.applied_ids(), "results": results}), flush=True)
+    # which files the targets ran from: a copy of upstream on PYTHONPATH, or the installed package
+    files = {m: getattr(sys.modules.get(m), "__file__", None) for m in patch.modules}
+    print(json.dumps({"applied": _runtime.applied_ids(), "results": results, "files": files}), flush=True)
     leave_distributed()  # whichever code made the process group (DeepSpeed, accelerate, the Trainer)
     return 0
 

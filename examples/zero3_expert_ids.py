@@ -3,6 +3,7 @@ trained a few ZeRO-3 steps. On deepspeed <= 0.16.3 ZeRO-3 overwrites those ids; 
 
     torchrun --nproc_per_node 2 examples/zero3_expert_ids.py [--require-fixed]
 """
+import logging
 import os
 import sys
 
@@ -11,8 +12,10 @@ from dspatch.patches.deepspeed.zero3_module_id_reproducers import expert_ids_thr
 
 
 def main():
-    placed, now = expert_ids_through_training(steps=3)
     import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # DeepSpeed's config dump would bury the two result lines
+    placed, now = expert_ids_through_training(steps=3)
 
     where = f"deepspeed {deepspeed.__version__}, dspatch: {dspatch._runtime.applied_ids() or 'not active'}"
     rank = os.environ.get("RANK", "0")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dspatch import gating
+from dspatch import gating, registry
 
 from conftest import clean_env, deepspeed_version, run_python
 
@@ -35,10 +35,21 @@ def test_check_imports_no_target_and_no_torch():
 
 
 def test_check_table_names_every_patch_and_why():
+    """One aligned line per patch (id, package==version, verdict, a few words of why), as `pip list` prints;
+    the summary, full reason, note and links under -v; the same verdicts as --json."""
     proc = run_python(["-m", "dspatch.apply", "--check"])
-    assert "DSPATCH is not set" in proc.stdout
-    assert "deepspeed/zero3-module-id" in proc.stdout and "why: " in proc.stdout
-    assert "https://github.com/deepspeedai/DeepSpeed/issues/6772" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert "DSPATCH is not set" in lines[0]
+    header, rule, *rows, hint = lines[1:]
+    assert header.split() == ["patch", "package", "verdict", "why"] and set(rule) == {"-", " "}
+    rows_json = dspatch_check_rows()
+    assert len(rows) == len(rows_json) == len(registry.all_patches())
+    column = header.index("verdict")
+    for line, row in zip(rows, rows_json):
+        assert line.startswith(row["id"] + " ") and line[column:].startswith(row["verdict"]), (line, row)
+    assert "-v" in hint and "why: " not in proc.stdout
+    verbose = run_python(["-m", "dspatch.apply", "--check", "-v"]).stdout
+    assert "why: " in verbose and "https://github.com/deepspeedai/DeepSpeed/issues/6772" in verbose
 
 
 def test_malformed_dspatch_is_a_clear_error():

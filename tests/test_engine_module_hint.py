@@ -40,21 +40,8 @@ def test_stock_upstream_reproduces_the_bare_message_exactly():
     assert outcome["applied"] == [] and outcome["results"] == STOCK
 
 
-def test_dspatch_env_adds_the_hint():
-    outcome = verify(PID, clean_env(DSPATCH="1"))
-    assert PID in outcome["applied"] and outcome["results"] == ALL_OK
-
-
 def _apply_diff(site):
     apply_upstream_diff(PATCH, deepspeed_version(), site)
-
-
-def test_upstream_diff_applied_to_a_copy_gives_the_same_message_without_dspatch(deepspeed_copy):
-    site, _ = deepspeed_copy
-    _apply_diff(site)
-    outcome = verify(PID, clean_env(PYTHONPATH=site))
-    # the scenarios pin the exact text, so the diff and the monkeypatch say the same words
-    assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 
 
 # Everything that must stay as stock, observed in one process per form; the reports must be equal except the
@@ -193,7 +180,7 @@ def test_a_drifted_target_keeps_the_patch_out(qualname, deepspeed_copy):
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
     assert len(said) == 1 and f"{PID} skipped" in said[0] and str(target) in said[0], said
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert outcome == {"applied": [], "results": {"gpt2_engine_model": STOCK["gpt2_engine_model"]}}
+    assert (outcome["applied"], outcome["results"]) == ([], {"gpt2_engine_model": STOCK["gpt2_engine_model"]})
     check = run_python(["-m", "dspatch.apply", "--check", "--json", "--only", PID], env=clean_env(PYTHONPATH=site),
                        check=False)
     row = next(r for r in json.loads(check.stdout)["patches"] if r["id"] == PID)

@@ -18,7 +18,7 @@ import pytest
 
 from dspatch import gating, registry
 
-from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, STACK, verify
+from conftest import clean_env, deepspeed_version, run_python, STACK, verify
 
 pytestmark = pytest.mark.stack
 
@@ -59,13 +59,6 @@ def test_dspatch_env_fixes_every_round_trip():
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
     assert len(said) == 1 and said[0].startswith("dspatch: applied ") and \
         f"{PID} (deepspeed {deepspeed_version()})" in said[0], said
-
-
-def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy):
-    site, _ = deepspeed_copy
-    apply_upstream_diff(PATCH, deepspeed_version(), site)
-    outcome = verify(PID, clean_env(PYTHONPATH=site))
-    assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 
 
 # In one interpreter: stock first, then dspatch.apply() (a late apply: the targets are already imported), on

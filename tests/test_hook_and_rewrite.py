@@ -1,10 +1,9 @@
 """The import hook and the source rewrite on small packages made here: no upstream stack needed."""
 import json
-import sys
 import textwrap
 import zipfile
 
-from conftest import clean_env, run_python
+from conftest import run_python
 
 HOOK_PROBE = r'''
 import json, sys, importlib, importlib.util

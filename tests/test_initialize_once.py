@@ -11,7 +11,7 @@ import pytest
 
 from dspatch import gating, registry
 
-from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
+from conftest import clean_env, deepspeed_version, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -62,18 +62,6 @@ def test_this_stack_is_covered():
 def test_stock_upstream_reproduces_each_corruption_exactly():
     outcome = verify(PID, clean_env())
     assert outcome["applied"] == [] and outcome["results"] == stock_results()
-
-
-def test_dspatch_env_refuses_before_anything_changes():
-    outcome = verify(PID, clean_env(DSPATCH=PID))
-    assert PID in outcome["applied"] and outcome["results"] == ALL_OK
-
-
-def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy):
-    site, _ = deepspeed_copy
-    apply_upstream_diff(PATCH, deepspeed_version(), site)
-    outcome = verify(PID, clean_env(PYTHONPATH=site))
-    assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 
 
 # ----------------------------------------------------------------------------------------------------

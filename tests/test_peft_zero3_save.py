@@ -9,7 +9,6 @@ process saves bit-identical files to stock. On 5.x the same reproducers show ups
 that it gathers the frozen weights whole on the way. Leaving out the target and drifting it: test_proofs.py.
 """
 import json
-import os
 import re
 import socket
 
@@ -17,7 +16,7 @@ import pytest
 
 from dspatch import gating, registry
 
-from conftest import apply_upstream_diff, clean_env, run_python, STACK, verify, verify_log
+from conftest import clean_env, run_python, STACK, verify, verify_log
 
 pytestmark = pytest.mark.stack
 
@@ -82,16 +81,6 @@ def test_dspatch_env_saves_the_trained_adapter(stock):
     assert said == [f"dspatch: applied {PID} (transformers {_transformers_version()})"], said
     # the fallback (and its warning) is gone where the adapter is saved; it stays for the model without PEFT
     assert 0 < len(_warnings(proc.stderr)) < len(_warnings(stock[1]))
-
-
-@affected
-def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
-    site, package = package_copy("transformers")
-    apply_upstream_diff(PATCH, _transformers_version(), site)
-    where = run_python(["-c", "import transformers.trainer as t; print(t.__file__)"], env=clean_env(PYTHONPATH=site), warm="base")
-    assert where.stdout.strip() == os.path.join(package, "trainer.py")
-    outcome = verify(PID, clean_env(PYTHONPATH=site))
-    assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 
 
 def _accelerate_runs_two_cpu_ranks():

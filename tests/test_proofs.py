@@ -2,6 +2,10 @@
 
 - stock failures are pinned: each reproducer listed in `expected_on_stock` fails on stock with exactly the
   failure declared there (BugSeen carrying that fragment), not with any error;
+- the monkeypatch fixes it: with DSPATCH naming the patch, it applies at import (one "applied" line) and every
+  reproducer passes;
+- the upstream diff fixes it: applied to a copy of the installed package, with no monkeypatch, every reproducer
+  passes, running that copy's files;
 - every target is necessary: with the patch applied less any one target, at least one reproducer fails;
 - every target's drift is caught: change any one target's source in a copy of the installed package, and
   the running process reports that target "drifted" and changes nothing;
@@ -38,6 +42,34 @@ def test_stock_fails_exactly_as_declared(pid):
     for name, fragment in patch.expected_on_stock.items():
         assert results[name].startswith("bug:") and fragment in results[name], \
             f"stock upstream no longer shows {pid}'s {name} as declared ({fragment!r}): {results[name]}"
+
+
+@pytest.mark.parametrize("pid", _ids(APPLICABLE))
+def test_the_monkeypatch_fixes_every_reproducer(pid):
+    if pid == "none-applies-here":
+        pytest.skip("no patch applies to this stack")
+    patch = registry.all_patches()[pid]
+    # in a run that imports every target itself (dspatch.pth at start, the hook at import), as a user's job
+    proc = run_python(["-m", "dspatch.verify", pid], env=clean_env(DSPATCH=pid), warm="base")
+    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcome["applied"] == [pid] and outcome["results"] == dict.fromkeys(patch.scenarios, "ok"), outcome
+    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
+    version = gating.installed_version(patch.distribution)
+    assert said == [f"dspatch: applied {pid} ({patch.distribution} {version})"], said
+
+
+@pytest.mark.parametrize("pid", _ids(APPLICABLE))
+def test_the_upstream_diff_fixes_a_copy_without_dspatch(pid, package_copy):
+    from conftest import apply_upstream_diff
+
+    if pid == "none-applies-here":
+        pytest.skip("no patch applies to this stack")
+    patch = registry.all_patches()[pid]
+    site, package = package_copy(patch.modules[0].split(".")[0])
+    apply_upstream_diff(patch, gating.installed_version(patch.distribution), site)
+    outcome = verify(pid, clean_env(PYTHONPATH=site))
+    assert outcome["applied"] == [] and outcome["results"] == dict.fromkeys(patch.scenarios, "ok"), outcome
+    assert all(path.startswith(package + os.sep) for path in outcome["files"].values()), outcome["files"]
 
 
 # patches whose bug writes nothing a log would show (wrong values, silently): explain cannot name them

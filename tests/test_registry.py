@@ -246,7 +246,7 @@ def test_dspatch_modules_import_each_other_one_way():
 
     cycles = [c for c in (cycle_from(m, [m]) for m in graph) if c]
     assert not cycles, cycles
-    assert graph["_hook"] == set() and graph["gating"] <= {"_hook"}, graph
+    assert graph["_hook"] == set() and graph["_cache"] <= {"_hook"} and graph["gating"] <= {"_hook", "_cache"}, graph
     assert not any("_boot" in uses for uses in graph.values()), graph
 
 
@@ -316,3 +316,15 @@ def test_a_release_with_no_target_is_never_patched(tmp_path):
                   targets=[Target("x.old", "f", {"a": "1.0"}, releases="<2.0")])
     _, verdict, reason = gating.evaluate(patch, version="2.0", locate=lambda module: None)
     assert verdict == gating.DRIFTED and "no code of x 2.0 is known to this patch" in reason, reason
+
+
+def test_installed_versions_are_importlib_metadatas():
+    """gating reads `Version:` from dist-info directly (importlib.metadata's import costs more than the rest of
+    --check): the same answer for every distribution installed here, and for an absent one."""
+    import importlib.metadata
+
+    names = {dist.metadata["Name"] for dist in importlib.metadata.distributions()}
+    assert len(names) > 5
+    for name in names:
+        assert gating._version_from_dist_info(name) == importlib.metadata.version(name), name
+    assert gating._version_from_dist_info("surely-not-installed-dspatch-test") is None

@@ -16,7 +16,7 @@ import pytest
 
 from dspatch import gating, registry
 
-from conftest import apply_upstream_diff, clean_env, run_python, verify
+from conftest import clean_env, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -49,23 +49,6 @@ def test_stock_upstream_reproduces_exactly():
     _applies()
     outcome = verify(PID, clean_env())
     assert outcome["applied"] == [] and outcome["results"] == STOCK
-
-
-def test_dspatch_env_fixes_it():
-    _applies()
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID), warm="base")
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
-    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
-    assert len(said) == 1 and f"{PID} (transformers {_version()})" in said[0], said
-
-
-def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
-    _applies()
-    site, _ = package_copy("transformers")
-    apply_upstream_diff(PATCH, _version(), site)
-    outcome = verify(PID, clean_env(PYTHONPATH=site))
-    assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 
 
 # One interpreter: stock, then dspatch.apply() (late: transformers is imported already), then the same jobs again.

@@ -13,7 +13,7 @@ import pytest
 
 from dspatch import gating, registry
 
-from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
+from conftest import clean_env, deepspeed_version, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -44,13 +44,6 @@ def test_stock_upstream_reproduces_exactly():
     assert outcome["applied"] == [] and outcome["results"] == dict.fromkeys(PATCH.scenarios, BUG)
 
 
-def test_dspatch_env_fixes_it():
-    if not _applies():
-        pytest.skip("fixed upstream on this stack")
-    outcome = verify(PID, clean_env(DSPATCH=PID))
-    assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
-
-
 def test_together_with_zero3_module_id():
     other = registry.all_patches()[MODULE_ID]
     if not _applies() or gating.evaluate(other)[1] != gating.APPLIES:
@@ -58,15 +51,6 @@ def test_together_with_zero3_module_id():
     proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=f"{PID},{MODULE_ID}"), warm="stack")
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(outcome["applied"]) == {PID, MODULE_ID} and outcome["results"] == ALL_OK
-
-
-def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy):
-    if not _applies():
-        pytest.skip("fixed upstream on this stack")
-    site, _ = deepspeed_copy
-    apply_upstream_diff(PATCH, deepspeed_version(), site)
-    outcome = verify(PID, clean_env(PYTHONPATH=site))
-    assert outcome["applied"] == [] and outcome["results"] == ALL_OK
 
 
 # Runs that hit no bug: no checkpointing and reentrant checkpointing, stock, then with the patch applied (late,

@@ -67,15 +67,6 @@ def _apply_diff(site, version):
     apply_upstream_diff(PATCH, version, site)
 
 
-def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
-    if not affected():
-        pytest.skip("trl >= 0.16 has the fix, or this deepspeed has the old name (see the old-deepspeed test)")
-    site, _ = package_copy("trl")
-    _apply_diff(site, str(_version("trl")))
-    outcome = verify(PID, clean_env(PYTHONPATH=site), "--only", "generate_then_train")
-    assert outcome["applied"] == [] and outcome["results"] == {"generate_then_train": "ok"}, outcome
-
-
 def test_upstream_diff_keeps_working_with_a_deepspeed_before_the_rename(package_copy):
     """The diff asks deepspeed for the new name and falls back to the old one: a trl with it applied still
     generates and trains at ZeRO-3 on deepspeed <= 0.16.3 (stock, and with deepspeed/zero3-module-id)."""
