@@ -6,6 +6,7 @@ import __future__
 import ast
 import copy
 import sys
+import types
 
 from dspatch import gating
 
@@ -29,7 +30,8 @@ def _functions_in(obj, depth=4):
                 todo.append((cell.cell_contents, level + 1))
             except ValueError:  # empty cell
                 pass
-    return [f for f in seen if hasattr(f, "__code__") and hasattr(f, "__defaults__")]
+    # real functions only: a proxy (wrapt's) answers __code__ for the function it wraps, which it is not
+    return [f for f in seen if type(f) is types.FunctionType]
 
 
 def rebuild(target, transform, original, decorators=True):
@@ -296,6 +298,20 @@ def find_statement(root, match, what=None):
         raise RewriteError(f"{getattr(root, 'name', type(root).__name__)}: expected exactly one statement "
                            f"{what or match}, found {len(found)}")
     return found[0]
+
+
+def replace(root, old, new):
+    """Put `new` where the node `old` sits under `root` (a field or an item of a list); RewriteError if it is
+    not there."""
+    for parent in ast.walk(root):
+        for field, value in ast.iter_fields(parent):
+            if value is old:
+                setattr(parent, field, new)
+                return
+            if isinstance(value, list) and any(item is old for item in value):
+                value[[i for i, item in enumerate(value) if item is old][0]] = new
+                return
+    raise RewriteError(f"{getattr(root, 'name', type(root).__name__)}: the node to replace is not in it")
 
 
 def rename_attribute(old, new):

@@ -17,4 +17,7 @@ MODULES = (
     "transformers.peft_zero3_save",
     "deepspeed.zero3_frozen_checkpointing",
     "trl.ppo_deepspeed_save",
+    "deepspeed.zero3_trace_invalidation",
+    "deepspeed.zero3_modules_to_save_grads",
+    "deepspeed.engine_releases_model",
 )

@@ -55,7 +55,8 @@ def test_the_monkeypatch_fixes_every_reproducer(pid):
     assert outcome["applied"] == [pid] and outcome["results"] == dict.fromkeys(patch.scenarios, "ok"), outcome
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
     version = gating.installed_version(patch.distribution)
-    assert said == [f"dspatch: applied {pid} ({patch.distribution} {version})"], said
+    # one line per process (a reproducer that launches ranks adds its job's local rank 0)
+    assert said and set(said) == {f"dspatch: applied {pid} ({patch.distribution} {version})"}, said
 
 
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))
@@ -73,7 +74,8 @@ def test_the_upstream_diff_fixes_a_copy_without_dspatch(pid, package_copy):
 
 
 # patches whose bug writes nothing a log would show (wrong values, silently): explain cannot name them
-SILENT = {"deepspeed/initialize-once": "a second initialize goes through without a word; what breaks later varies"}
+SILENT = {"deepspeed/initialize-once": "a second initialize goes through without a word; what breaks later varies",
+          "deepspeed/engine-releases-model": "memory held, no message: proven by what gc.collect() frees"}
 
 
 def _upstream_log(pid):

@@ -37,6 +37,9 @@ CHECKED = {
     "transformers/peft-zero3-save": ("4.44.0", "5.0.0"),
     "trl/zero3-generation-hooks": ("0.7.0", "0.17.0"),
     "trl/ppo-deepspeed-save": ("0.9.0", "1.16.0"),
+    "deepspeed/zero3-trace-invalidation": ("0.14.0", "0.19.8"),
+    "deepspeed/zero3-modules-to-save-grads": ("0.14.0", "0.19.8"),
+    "deepspeed/engine-releases-model": ("0.14.0", "0.19.8"),
 }
 # For a patch that `requires` another package: versions of it with the bug's need and without.
 OTHERS = {

@@ -268,13 +268,13 @@ import json, sys, deepspeed, dspatch
 from dspatch import rewrite
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
-real, calls = rewrite.rebuild, []
-def flaky(target, transform, original, **options):  # dspatch's own step fails part-way (5th rebuild)
+real, calls = rewrite.rebuild_code, []
+def flaky(target, transform, function):  # dspatch's own step fails part-way (the 5th rebuilt code: cached or not)
     calls.append(target.qualname)
     if len(calls) == 5:
         raise RuntimeError("injected failure")
-    return real(target, transform, original, **options)
-rewrite.rebuild = flaky
+    return real(target, transform, function)
+rewrite.rebuild_code = flaky
 result = dspatch.apply(["deepspeed/zero3-module-id"])
 wrapped = [n for n, patched in target_state().items() if patched]
 calls.clear(); dspatch.revert(force=True)
