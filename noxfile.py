@@ -12,7 +12,7 @@ import time
 
 import nox
 
-nox.options.sessions = ["unit", "old", "bridge", "mid", "latest", "trl_tf5"]
+nox.options.sessions = ["unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16"]
 nox.options.error_on_missing_interpreters = True
 
 # torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
@@ -33,12 +33,15 @@ TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
 # trl's last PPO trainer (1.12.0) on transformers 5.x, where its save under DeepSpeed fails at every ZeRO stage
 # (trl/ppo-deepspeed-save); accelerate 1.10.1 can still run DeepSpeed with 2 CPU processes
 TRL_TF5 = ["deepspeed==0.16.3", "transformers==5.23.0", "accelerate==1.10.1", "trl==1.12.0"]
+# transformers 4.44.2 (the old stack's) with a deepspeed that validates its config with pydantic 2 (>= 0.15), where an
+# "auto" ZeRO-3 config fails to start (transformers/deepspeed-prefetch-bucket-int): that patch's proofs only
+TF444_DS16 = ["deepspeed==0.16.3", "transformers==4.44.2", "accelerate==0.34.2"]
 
 # The stacks' environments live outside the clone (a clean clone, as CI makes, would otherwise rebuild six of them
 # every run), in a folder named by a hash of everything installed into them: a changed pin is a new folder, never
 # a stale environment. Only the upstream packages are kept: dspatch itself is reinstalled from this checkout every
 # run. A fresh machine builds them from nothing with the same command. NOX_ENVDIR overrides the place.
-_PINS = json.dumps([TORCH, STACKS, TRL_TF5, TEST_TOOLS], sort_keys=True)
+_PINS = json.dumps([TORCH, STACKS, TRL_TF5, TF444_DS16, TEST_TOOLS], sort_keys=True)
 ENV_ROOT = os.environ.get("DSPATCH_NOX_ENVS", os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dspatch", "nox-envs"))
 nox.options.envdir = os.path.join(ENV_ROOT, hashlib.sha256(_PINS.encode()).hexdigest()[:16])
@@ -106,6 +109,16 @@ def trl_tf5(session):
     install_dspatch(session, "wrapt>=2.5", "packaging", "pytest")
     session.run("pytest", "-m", "not unit_only", "tests/test_ppo_deepspeed_save.py", *session.posargs,
                 env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS)})
+
+
+@nox.session(python="3.11")
+def tf444_ds16(session):
+    """transformers/deepspeed-prefetch-bucket-int proven on transformers 4.44.2 with deepspeed 0.16.3 (torch 2.13 CPU)."""
+    session.install(TORCH)
+    session.install(*TF444_DS16)
+    install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
+    session.run("pytest", "-m", "not unit_only", *XDIST, "tests/test_proofs.py", "-k", "prefetch-bucket-int",
+                *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 
 @nox.session(python="3.11")

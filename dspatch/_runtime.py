@@ -60,6 +60,13 @@ def applied_ids():
     return list(_applied)
 
 
+def in_force(pid):
+    """Whether patch `pid` is applied here, whole: not while a proof leaves one of its targets out
+    (dspatch.verify --leave-out-each sets `left_out` on the patch for that time)."""
+    txn = _applied.get(pid)
+    return txn is not None and txn.intact() and getattr(txn.patch, "left_out", None) is None
+
+
 def _module_ready(name, just_loaded=None):
     # The module the hook just reported has executed but is still flagged as initialising until the
     # import system finishes with it; any other module counts once it is fully imported (now, not ever).

@@ -293,7 +293,8 @@ def find_statement(root, match, what=None):
     accept = _predicate(match)
     found = [(block, index) for parent in ast.walk(root) for field in ("body", "orelse", "finalbody")
              for block in [getattr(parent, field, None)] if isinstance(block, list)
-             for index, stmt in enumerate(block) if isinstance(stmt, ast.stmt) and accept(stmt)]
+             for index, stmt in enumerate(block) if isinstance(stmt, ast.stmt)
+             and (accept(stmt) or isinstance(stmt, ast.Expr) and accept(stmt.value))]  # `f(x)` alone: its call
     if len(found) != 1:
         raise RewriteError(f"{getattr(root, 'name', type(root).__name__)}: expected exactly one statement "
                            f"{what or match}, found {len(found)}")

@@ -95,6 +95,72 @@ def applied(pid):
     return pid in _runtime.applied_ids()
 
 
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def rank_environment():
+    """The environment of a job this process launches: its own, with DSPATCH naming exactly the patches in force
+    here (a proof that leaves one target out leaves the whole patch out of the ranks) and those selected that wait
+    for a module this process did not import, and without this process's own rendezvous. A copy of upstream on
+    PYTHONPATH travels as it is."""
+    from dspatch import _runtime
+
+    # in force here, or selected and waiting for an import this process never made
+    ids = [pid for pid in _runtime.applied_ids() if _runtime.in_force(pid)] + list(_runtime._pending)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPATCH") and k not in _RENDEZVOUS}
+    env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    if ids:
+        env["DSPATCH"] = ",".join(ids)
+    return env
+
+
+def launch_ranks(module, args=(), nproc=2, timeout=600):
+    """Run `python -m <module> <folder> <args...>` as an `nproc`-rank torchrun job (gloo on the CPU), with
+    rank_environment(); each rank writes its result with finish_rank. Returns the ranks' results in rank order.
+    What the ranks print to stderr (upstream's tracebacks among it) is forwarded to this process's stderr, as a
+    job's log shows it."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dspatch-ranks-") as folder:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                               "--master_addr", "127.0.0.1", "--master_port", _free_port(), "-m", module, folder,
+                               *args], env=rank_environment(), capture_output=True, text=True, timeout=timeout,
+                              cwd=folder)
+        sys.stderr.write(proc.stderr[-20000:])
+        paths = [os.path.join(folder, f"rank{rank}.json") for rank in range(nproc)]
+        if proc.returncode != 0 or not all(os.path.exists(p) for p in paths):
+            raise RuntimeError(f"the {nproc}-rank job of {module} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-6000:]}")
+        results = []
+        for path in paths:
+            with open(path) as f:
+                results.append(json.load(f))
+        return results
+
+
+def finish_rank(folder, result):
+    """The end of a launched rank: its result written for launch_ranks, then every rank leaves together (one rank
+    leaving while another still works takes gloo down) and exits at once (gloo's teardown can abort a finished
+    process under load)."""
+    import json
+
+    import torch.distributed
+
+    rank = int(os.environ.get("RANK", "0"))
+    with open(os.path.join(folder, f"rank{rank}.json.part"), "w") as f:
+        json.dump(result, f)
+    os.replace(os.path.join(folder, f"rank{rank}.json.part"), os.path.join(folder, f"rank{rank}.json"))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def tiny_llama(head="LlamaForCausalLM", seed=0, **config):
     """A tiny Llama built from a config (hidden 32, 2 layers, 4 heads, vocabulary 64 unless `config` says
     otherwise), its weights drawn after torch.manual_seed(seed); `seed=None` leaves the generator alone."""

@@ -72,6 +72,7 @@ class Patch:
         self.links = tuple(links)
         self.diffs = dict(diffs or {})
         self.reproducers = reproducers  # module name; the registry sets it from the patch module's name
+        self.left_out = None  # a target's qualname while a proof applies the patch without it
         self.in_use = in_use
         self.fixed_marker = fixed_marker
         self.note = note

@@ -64,13 +64,17 @@ def leave_out_each(patch):
             if outcome[0] != "applied":
                 results[target.qualname] = {"apply": f"error: {outcome}"}
                 continue
-            # one failing reproducer proves the target necessary: the rest need not run
+            # one failing reproducer proves the target necessary: the rest need not run (and jobs they launch
+            # leave the patch out: scenario.rank_environment)
+            patch.left_out = target.qualname
             results[target.qualname] = run_scenarios(patch, until_failure=True)
+            patch.left_out = None
             dspatch.revert([patch.id], force=True)
     finally:
         for name, method in real.items():
             setattr(_runtime.Transaction, name, method)
         patch.in_use = in_use
+        patch.left_out = None
     return results
 
 
@@ -97,6 +101,13 @@ def main(argv=None):
         return 0
     if args.apply:
         dspatch.apply([args.patch_id], strict=True)
+    import importlib
+
+    for module in patch.modules:  # imported here, so that this process runs (and a job it launches gets) the patch
+        try:                     # as the environment gives it even when the scenarios themselves run elsewhere
+            importlib.import_module(module)
+        except ImportError:
+            pass
     results = run_scenarios(patch, args.only)
     # which files the targets ran from: a copy of upstream on PYTHONPATH, or the installed package
     files = {m: getattr(sys.modules.get(m), "__file__", None) for m in patch.modules}

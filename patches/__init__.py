@@ -20,4 +20,7 @@ MODULES = (
     "deepspeed.zero3_trace_invalidation",
     "deepspeed.zero3_modules_to_save_grads",
     "deepspeed.engine_releases_model",
+    "transformers.deepspeed_grad_accum_scale",
+    "transformers.deepspeed_prefetch_bucket_int",
+    "accelerate.zero3_save_model_all_ranks",
 )

@@ -40,12 +40,16 @@ CHECKED = {
     "deepspeed/zero3-trace-invalidation": ("0.14.0", "0.19.8"),
     "deepspeed/zero3-modules-to-save-grads": ("0.14.0", "0.19.8"),
     "deepspeed/engine-releases-model": ("0.14.0", "0.19.8"),
+    "transformers/deepspeed-grad-accum-scale": ("4.44.0", "4.50.0"),
+    "transformers/deepspeed-prefetch-bucket-int": ("4.36.0", "4.46.0"),
+    "accelerate/zero3-save-model-all-ranks": ("0.20.0", "1.2.0"),
 }
 # For a patch that `requires` another package: versions of it with the bug's need and without.
 OTHERS = {
     "deepspeed/checkpoint-weights-only": ({"torch": "2.13.0"}, {"torch": "2.5.1"}),
     "accelerate/deepspeed-no-sync": ({"deepspeed": "0.16.9"}, {"deepspeed": "0.15.4"}),
     "trl/zero3-generation-hooks": ({"deepspeed": "0.16.9"}, {"deepspeed": "0.16.3"}),
+    "transformers/deepspeed-prefetch-bucket-int": ({"deepspeed": "0.16.3"}, {"deepspeed": "0.14.4"}),
 }
 PATCHES = registry.all_patches()
 
@@ -132,9 +136,13 @@ def test_verdict_of_every_release(pid, version):
 
 
 def _in_range(text, versions):
-    """The releases of `versions` that a fingerprint table's "0.14.0-0.15.3" (or "0.16.3") names."""
-    low, _, high = text.partition("-")
-    return [v for v in versions if Version(low) <= Version(v) <= Version(high or low)]
+    """The releases of `versions` that a fingerprint table's "0.14.0-0.15.3" (or "0.16.3", or ranges separated by
+    commas) names."""
+    found = []
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        found += [v for v in versions if Version(low) <= Version(v) <= Version(high or low)]
+    return sorted(set(found), key=Version)
 
 
 @pytest.mark.parametrize("pid", list(CHECKED))

@@ -7,59 +7,14 @@ import json
 import os
 
 from dspatch.spec import BugSeen
-from dspatch.patches.accelerate import deepspeed_no_sync as fix
-from dspatch.patches.accelerate.deepspeed_no_sync import ASSERTION, PATCH
-
-
-def _fix_in_force():
-    """Whether the `Accelerator.no_sync` this process runs carries the fix (patched here, or upstream's)."""
-    import inspect
-
-    from accelerate.accelerator import Accelerator
-
-    code = inspect.unwrap(Accelerator.no_sync).__code__
-    return fix.__name__ in code.co_consts  # the rebuilt code calls into the fix's module
-
-
-def _worker_env():
-    """The environment of the job's ranks: this one, with DSPATCH naming exactly the patches in force in this
-    process (applied from the environment or by dspatch.apply(), less any target left out), so that the ranks
-    run what this process would run. A copy of upstream on PYTHONPATH travels as it is."""
-    from dspatch import _runtime
-
-    ids = [pid for pid in _runtime.applied_ids() if pid != PATCH.id]
-    if _fix_in_force():
-        ids.append(PATCH.id)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DSPATCH")}
-    env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    if ids:
-        env["DSPATCH"] = ",".join(ids)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
-        env.pop(key, None)  # this process's own rendezvous (init_deepspeed) is not the job's
-    return env
+from dspatch.patches.accelerate.deepspeed_no_sync import ASSERTION
 
 
 def _launch(cases):
     """Run the cases in one 2-rank job; {case: result} from rank 0. Its ranks' tracebacks go to stderr."""
-    import subprocess
-    import sys
-    import tempfile
+    from dspatch.scenario import launch_ranks
 
-    from dspatch.scenario import _free_port
-
-    with tempfile.TemporaryDirectory(prefix="dspatch-no-sync-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                               "--master_port", _free_port(), "-m", __name__, out, *cases],
-                              env=_worker_env(), capture_output=True, text=True, timeout=600, cwd=tmp)
-        # what the ranks printed (upstream's tracebacks of the bug among it), as a user's job log shows it
-        sys.stderr.write(proc.stderr[-20000:])
-        if proc.returncode != 0 or not os.path.exists(out):
-            raise RuntimeError(f"the 2-rank job exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-6000:]}")
-        with open(out) as f:
-            results = json.load(f)
+    results = launch_ranks(__name__, cases)[0]
     record = os.environ.get("DSPATCH_NO_SYNC_RECORD")
     if record:  # what the tests compare between runs (patched, upstream's diff, stock on a fixed release)
         previous = {}
@@ -79,7 +34,9 @@ _ran = {}
 def _results(cases):
     """Every case's result from one job per patch state (a job's start costs more than most cases): the
     scenarios of one verify run share it."""
-    env = _worker_env()
+    from dspatch.scenario import rank_environment
+
+    env = rank_environment()
     key = (env.get("DSPATCH"), env.get("PYTHONPATH"))
     if key not in _ran:
         _ran.clear()
@@ -289,16 +246,9 @@ def _job(out, cases):
             results[case] = {"error": f"AssertionError: {e}"}
         if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("DSPATCH_NO_SYNC_TIMES"):
             print(f"case {case}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    import torch.distributed
+    from dspatch.scenario import finish_rank
 
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # gloo's threads can abort a normal interpreter exit ("terminate called without an active exception")
+    finish_rank(out, results)
 
 
 SCENARIOS = {"accumulate_zero2_zero3": accumulate_zero2_zero3, "no_sync_zero2_and_zero1": no_sync_zero2_and_zero1,

@@ -1,0 +1,54 @@
+"""An `"auto"` ZeRO-3 config starts on deepspeed >= 0.15 (transformers 4.38.0-4.44.2).
+
+The Trainer fills the `"auto"` entries of a DeepSpeed config from the model (`HfTrainerDeepSpeedConfig.
+trainer_config_finalize`); for ZeRO-3's `stage3_prefetch_bucket_size` it writes `0.9 * hidden_size * hidden_size`,
+a float. deepspeed >= 0.15 validates its config with pydantic 2, whose `int` field refuses a float with a fraction:
+`ValidationError: 1 validation error for DeepSpeedZeroConfig stage3_prefetch_bucket_size Input should be a valid
+integer, got a number with a fractional part`, and the documented `"auto"` ZeRO-3 config cannot start once
+deepspeed is upgraded (DeepSpeed issue 6525 and its duplicates). transformers 4.45.0 fixed it (PR 33402) by
+rounding to an int; older deepspeed accepted the float, so the gate needs both packages (`requires`).
+
+The fix does the same: `trainer_config_finalize` is rebuilt from the installed source with that one expression
+wrapped in `int(...)` (`txn.recode`).
+"""
+from dspatch.spec import Patch
+
+DS_INTEGRATION = "transformers.integrations.deepspeed"
+FINALIZE = "HfTrainerDeepSpeedConfig.trainer_config_finalize"
+FINGERPRINTS = {(DS_INTEGRATION, FINALIZE): {"a0acb0255963d2b8": "4.38.0-4.44.2"}}
+REFUSED = "Input should be a valid integer, got a number with a fractional part"
+
+
+def whole_bucket(definition):
+    """Transform: `0.9 * hidden_size * hidden_size` -> `int(0.9 * hidden_size * hidden_size)`."""
+    from dspatch.rewrite import expression, find_one, replace
+
+    product = find_one(definition, "0.9 * hidden_size * hidden_size")
+    call = expression("int(_)", product)
+    call.args[0] = product
+    replace(definition, product, call)
+
+
+def apply(txn):
+    txn.recode(txn.target(FINALIZE), whole_bucket)
+
+
+PATCH = Patch(
+    id="transformers/deepspeed-prefetch-bucket-int",
+    summary=("The Trainer fills an \"auto\" ZeRO-3 stage3_prefetch_bucket_size with an int: the documented auto config "
+             "starts on deepspeed >= 0.15 (no pydantic ValidationError)"),
+    distribution="transformers",
+    affected="<4.45.0",
+    fixed_in="4.45.0",
+    supported=">=4.38.0",
+    requires={"deepspeed": ">=0.15.0"},
+    targets=FINGERPRINTS,
+    apply=apply,
+    links=("https://github.com/deepspeedai/DeepSpeed/issues/6525", "https://github.com/huggingface/transformers/pull/33402"),
+    diffs={">=4.38.0,<=4.44.2": "transformers/0004-deepspeed-prefetch-bucket-int-4.38.0-4.44.2.patch"},
+    # pydantic's message over three lines: the model, the field, the reason
+    signatures=((r"ValidationError: \d+ validation errors? for DeepSpeedZeroConfig", r"^\s*stage3_prefetch_bucket_size\s*$",
+                 r"Input should be a valid integer, got a number with a fractional part"),),
+    note=("HfTrainerDeepSpeedConfig.trainer_config_finalize keeps its object, name and line numbers but runs code "
+          "rebuilt from the installed file that fills stage3_prefetch_bucket_size with an int"),
+)
