@@ -3,13 +3,24 @@
     python -m dspatch.explain job.log
     some-command 2>&1 | python -m dspatch.explain -
 
-Each patch declares the log lines its bug produces on stock upstream (`Patch.signatures`: regular expressions,
-one line each; a tuple of them must all match, in that order). The log is only read: nothing in it is executed
-or imported. Before matching, each line loses ANSI colour codes, carriage-return progress redraws (tqdm keeps
-the last one), and launcher prefixes such as `[rank1]:`, `[default0]:` or `rank0: `, so interleaved ranks and
-coloured, truncated logs still match.
+Each patch declares how its bug shows in a log (`Patch.signatures`, dspatch.spec.Signature): the message, the
+exception it belongs to, and the frames or lines that tell it from other failures with the same words. The log is
+only read: nothing in it is executed or imported. Before matching, each line loses ANSI colour codes,
+carriage-return progress redraws (tqdm keeps the last one) and launcher prefixes such as `[rank1]:`, `[default0]:`
+or `rank0: `; a debugger's `Exception has occurred: X` is read with the message under it, and a message wrapped
+over lines (or under an empty `SomeError:` line) is read joined.
 
-Exit status: 0 when a known bug was found, 1 when none was (the log says so), 2 when the log cannot be read.
+A wrong name sends a user to a fix for a bug they do not have, so a name is given only when the log decides it:
+where two known bugs give the same message and the log's frames and versions cannot tell them apart, both are
+listed as candidates, with what to look at, and neither is asserted. Each verdict says how sure it is and why:
+the line that matched, the lines that decided, and the versions taken into account (printed in the log, or, to
+choose between candidates only, those of this environment).
+
+A message whose bug the versions installed here do not have (the log printing none) is set aside, said as such:
+if the log came from another machine, its versions there decide.
+
+Exit status: 0 when a known bug (a choice of two, or one set aside) was found, 1 when none was (the log says so),
+2 when the log cannot be read.
 """
 import argparse
 import json
@@ -24,49 +35,266 @@ _ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
 _PREFIX = re.compile(r"^\s*(?:\[(?:rank|default|worker)?\d+\]:|(?:rank)?\d{1,4}:(?=\s))\s?")
 # what a log line is cut to before matching (very long lines are tensor dumps, not error messages)
 _LINE_LIMIT = 4000
+# VS Code's and PyCharm's way of showing an exception: its class on one line, the message on the next
+_DEBUGGER = re.compile(r"^\s*Exception has occurred:\s*([\w.]+)\s*$")
+_TRACEBACK = "Traceback (most recent call last)"
+_FRAME = re.compile(r'^\s*File "')
+# the class name (qualified or not) and colon that end the text before a message
+_ERROR_BEFORE = re.compile(r"(?:^|[^\w.])(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*):$")
+# a message pasted alone: nothing before it but quoting and list punctuation
+_BARE = re.compile(r"^[\s`'\">*#|:-]*$")
+# versions a log prints: pip freeze/list, `transformers-cli env` / `trl env`, ds_report, DeepSpeed's banner and
+# zero_to_fp32's "created by deepspeed==X"
+_DISTRIBUTIONS = ("deepspeed", "transformers", "accelerate", "trl", "peft", "torch")
+_VERSION = re.compile(r"(?i)(?:^|[^\w/.-])(deepspeed|transformers|accelerate|trl|peft|torch)(?![\w/-])[`'\"]?"
+                      r"(?:\s*(?:info|version)\b)?(?:\s*:\s*|\s*==\s*|\s*=\s*|\s+|\s*\.{2,}\s*)"
+                      r"v?(\d+\.\d+\.\d+(?:[.+-]?(?:dev|rc|post|a|b)\d*)?)(?![\d.]*\w)")
+_DEEPSPEED_BANNER = re.compile(r"DeepSpeed info: version=(\d+\.\d+\.\d+[\w.+]*)")
+# how far around a message its evidence may be, when no `Traceback` line bounds it
+_BEFORE, _AFTER = 80, 40
+_JOINED = 2  # continuation lines a wrapped message may take
 
 
 def clean_lines(text):
-    """The log's lines as a reader sees them: no colour codes, no progress redraws, no rank prefixes."""
+    """The log's lines as a reader sees them: no colour codes, no progress redraws, no rank prefixes; a
+    debugger's `Exception has occurred: X` line reads `X: <the message on the next line>`."""
     # "\n" only: str.splitlines() would also split at the "\r" of a progress redraw
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    for raw in lines:
-        line = _ANSI.sub("", raw)
+    raw = text.split("\n")
+    if raw and raw[-1] == "":
+        raw.pop()
+    lines = []
+    for line in raw:
+        line = _ANSI.sub("", line)
         if "\r" in line:  # a progress bar redrawn in place: what remains on screen is the last segment
-            line = [part for part in line.split("\r") if part.strip()][-1:] or [""]
-            line = line[0]
+            line = ([part for part in line.split("\r") if part.strip()][-1:] or [""])[0]
         for _ in range(3):
             stripped = _PREFIX.sub("", line, count=1)
             if stripped == line:
                 break
             line = stripped
-        yield line[:_LINE_LIMIT].rstrip()
+        lines.append(line[:_LINE_LIMIT].rstrip())
+    for number, line in enumerate(lines[:-1]):
+        debugger = _DEBUGGER.match(line)
+        if debugger:
+            lines[number] = f"{debugger.group(1)}: {lines[number + 1].strip()}"
+    return lines
 
 
-def _compile(signature):
-    parts = signature if isinstance(signature, tuple) else (signature,)
-    return tuple(re.compile(p) for p in parts)
+def _variants(lines, number):
+    """The text at line `number`, then that line joined with the next ones (a message wrapped by a terminal or
+    by hand, or put under an empty `SomeError:` line), as long as they are not frames or a new traceback."""
+    text = lines[number]
+    yield text
+    if _FRAME.match(text):
+        return
+    for following in lines[number + 1:number + 1 + _JOINED]:
+        part = following.strip()
+        if not part or _FRAME.match(following) or _TRACEBACK in following:
+            return
+        yield text + part  # cut inside a word
+        text = text + " " + part
+        yield text
+
+
+def _error_fits(before, error):
+    """Whether the text before a message fits the exception class `error` (None: anything does)."""
+    if error is None or _BARE.match(before):
+        return True
+    found = _ERROR_BEFORE.search(before.rstrip())
+    return bool(found) and found.group(1) in error.split("|")
+
+
+def _message_at(lines, number, signature):
+    """The text at `number` in which the signature's message (of its exception) is, or None."""
+    pattern = re.compile(signature.message)
+    for text in _variants(lines, number):
+        # a message that starts on a later line is found there
+        for found in pattern.finditer(text):
+            if found.start() < len(lines[number]) and _error_fits(text[:found.start()], signature.error):
+                return text
+    return None
+
+
+def _window(lines, number):
+    """Line numbers (0-based, a range) of the traceback around the message at `number`: from its `Traceback`
+    line (or _BEFORE lines up) to the next traceback (or _AFTER lines down)."""
+    start = max(0, number - _BEFORE)
+    for back in range(number, max(-1, number - 4 * _BEFORE), -1):
+        if _TRACEBACK in lines[back]:
+            start = back
+            break
+    end = min(len(lines), number + _AFTER + 1)
+    for ahead in range(number + 1, end):
+        if _TRACEBACK in lines[ahead]:
+            end = ahead
+            break
+    return range(start, end)
+
+
+def _first(lines, where, pattern):
+    pattern = re.compile(pattern)
+    return next((n for n in where if pattern.search(lines[n])), None)
+
+
+def log_versions(lines):
+    """{distribution: version} printed in the log, for those it prints one version of."""
+    seen = {}
+    for number, line in enumerate(lines):
+        for name, version in _VERSION.findall(line):
+            seen.setdefault(name.lower(), {}).setdefault(version, number)
+        for version in _DEEPSPEED_BANNER.findall(line):
+            seen.setdefault("deepspeed", {}).setdefault(version, number)
+    return {name: (next(iter(found)), next(iter(found.values())) + 1)
+            for name, found in seen.items() if len(found) == 1}
+
+
+def _signatures(patch):
+    from dspatch.spec import Signature
+
+    for signature in patch.signatures:
+        yield signature if isinstance(signature, Signature) else Signature(signature)
+
+
+def _hits(lines, patches):
+    """Every place a patch's signature matches: {line number: [hit]}, a hit the patch, its signature, the text
+    and the line numbers that decided (needs, and the hint if one matched). `needs` are looked for in the message's
+    traceback; `context`, `hints` and `unless` in the whole log."""
+    hits = {}
+    everywhere = range(len(lines))
+    for patch in patches:
+        for signature in _signatures(patch):
+            for number in range(len(lines)):
+                text = _message_at(lines, number, signature)
+                if text is None:
+                    continue
+                where = _window(lines, number)
+                needed = [_first(lines, where, p) for p in signature.needs]
+                if None in needed or any(_first(lines, everywhere, p) is None for p in signature.context):
+                    continue
+                if any(_first(lines, everywhere, p) is not None for p in signature.unless):
+                    continue
+                hint = next((n for n in (_first(lines, everywhere, p) for p in signature.hints) if n is not None),
+                            None)
+                found = needed + [_first(lines, everywhere, p) for p in signature.context]
+                hits.setdefault(number, []).append(
+                    {"patch": patch, "signature": signature, "text": text, "evidence": found, "hint": hint})
+                break  # this signature's first full match; later repeats (other ranks) add nothing
+    return hits
+
+
+def _in_range(version, specifier):
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return SpecifierSet(specifier or "").contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return True  # not a release version: it cannot rule a candidate out
+
+
+def _outside(patch, versions):
+    """Why `versions` ({distribution: version}) rule the patch's bug out, or None."""
+    wanted = {patch.distribution: patch.affected, **patch.requires}
+    for name, specifier in wanted.items():
+        if name in versions and not _in_range(versions[name], specifier):
+            return f"{name} {versions[name]} is outside {specifier}"
+    return None
+
+
+def _environment_versions(names):
+    from dspatch.gating import installed_version
+
+    found = {}
+    for name in names:
+        version = installed_version(name)
+        if version:
+            found[name] = version
+    return found
+
+
+def _decide(lines, candidates, printed):
+    """For the hits at one line: (those still standing, how they were told apart, the versions used, whether this
+    environment's versions decided, the hits set aside because this environment's versions rule them out)."""
+    how, used = [], {}
+    specific = [c for c in candidates if not c["signature"].generic]
+    if specific and len(specific) < len(candidates):
+        how.append("its message is more specific than " + ", ".join(
+            c["patch"].id for c in candidates if c["signature"].generic))
+        candidates = specific
+    shown = {name: version for name, (version, _) in printed.items()}
+    standing = []
+    for candidate in candidates:
+        reason = _outside(candidate["patch"], shown)
+        if reason:
+            how.append(f"not {candidate['patch'].id}: the log shows {reason}")
+        else:
+            standing.append(candidate)
+    for candidate in standing:
+        for name in (candidate["patch"].distribution, *candidate["patch"].requires):
+            if name in printed:
+                used[name] = f"{printed[name][0]} (printed at line {printed[name][1]})"
+    candidates = standing
+    if len(candidates) > 1 and any(c["hint"] is not None for c in candidates):
+        hinted = [c for c in candidates if c["hint"] is not None]
+        if len(hinted) < len(candidates):
+            for c in hinted:
+                how.append(f"line {c['hint'] + 1} points to it: {lines[c['hint']].strip()[:160]}")
+            candidates = hinted
+    # what the log does not print: the versions installed here (explain runs where the job ran, as a rule)
+    names = {n for c in candidates for n in (c["patch"].distribution, *c["patch"].requires) if n not in printed}
+    here = _environment_versions(names) if names else {}
+    if not here:
+        return candidates, how, used, False, []
+    inside = [c for c in candidates if not _outside(c["patch"], here)]
+    aside = [c for c in candidates if c not in inside]
+    for c in inside:
+        for name in (c["patch"].distribution, *c["patch"].requires):
+            if name in here:
+                used[name] = f"{here[name]} (installed here; the log prints none)"
+    if aside and inside:
+        how.append("the versions installed here rule out " + ", ".join(c["patch"].id for c in aside)
+                   + " (if the log came from another machine, check its versions)")
+    return inside, how, used, bool(aside and inside), aside
 
 
 def find(lines, patches):
-    """[(patch, line number (1-based) of the last line the signature needed, that line)] in registry order."""
-    found = []
-    for patch in patches:
-        for signature in patch.signatures:
-            pattern = _compile(signature)
-            at, hit = 0, None
-            for number, line in enumerate(lines, 1):
-                if pattern[at].search(line):
-                    at += 1
-                    if at == len(pattern):
-                        hit = (number, line)
-                        break
-            if hit:
-                found.append((patch, *hit))
-                break
-    return found
+    """(named, undecided, set aside): named, one dict per bug the log decides ({patch, line, text, confidence,
+    why, versions}); undecided, one per message that two known bugs give and the log cannot tell apart
+    ({patches, line, text, why, tell}); set aside, the bugs whose message the log shows but that the versions
+    installed here do not have ({patch, line, text, reason})."""
+    printed = log_versions(lines)
+    named, undecided, aside = [], [], []
+    for number, candidates in sorted(_hits(lines, patches).items()):
+        standing, how, used, from_here, ruled_out = _decide(lines, candidates, printed)
+        if not standing:
+            here = _environment_versions({c["patch"].distribution for c in ruled_out})
+            aside += [{"patch": c["patch"], "line": number + 1, "text": c["text"],
+                       "reason": _outside(c["patch"], here)} for c in ruled_out]
+            continue
+        if len(standing) > 1:
+            undecided.append({"patches": [c["patch"] for c in standing], "line": number + 1,
+                              "text": standing[0]["text"], "why": how, "versions": used,
+                              "tell": {c["patch"].id: c["signature"].tell for c in standing}})
+            continue
+        (hit,) = standing
+        why = [f"line {n + 1}: {lines[n].strip()[:160]}" for n in hit["evidence"]] + how
+        if hit["hint"] is not None and len(candidates) == 1:
+            why.append(f"line {hit['hint'] + 1}: {lines[hit['hint']].strip()[:160]}")
+        named.append({"patch": hit["patch"], "line": number + 1, "text": hit["text"],
+                      "confidence": "likely" if from_here else "certain", "why": why, "versions": used})
+    # one bug per report: the first place it is decided; a choice that includes a named bug is that bug, seen again
+    seen, unique = set(), []
+    for item in named:
+        if item["patch"].id not in seen:
+            seen.add(item["patch"].id)
+            unique.append(item)
+    choices = [u for u in undecided if not seen & {p.id for p in u["patches"]}]
+    once = []
+    for item in aside:
+        if item["patch"].id not in seen:
+            seen.add(item["patch"].id)
+            once.append(item)
+    return unique, choices, once
 
 
 def advice(patch, environ=None):
@@ -98,17 +326,29 @@ def advice(patch, environ=None):
     return verdict, reason, selected, todo
 
 
+def _entry(patch, environ):
+    verdict, reason, active, todo = advice(patch, environ)
+    return {"id": patch.id, "cause": patch.summary, "verdict": verdict, "reason": reason, "active": active,
+            "do": todo, "links": list(patch.links)}
+
+
 def explain(text, patches=None, environ=None):
+    """(lines read, bugs named, choices left open, bugs set aside by the versions here): JSON-ready dicts."""
     from dspatch import registry
 
     patches = list(registry.all_patches().values()) if patches is None else patches
-    lines = list(clean_lines(text))
-    report = []
-    for patch, number, line in find(lines, patches):
-        verdict, reason, active, todo = advice(patch, environ)
-        report.append({"id": patch.id, "line": number, "text": line, "cause": patch.summary, "verdict": verdict,
-                       "reason": reason, "active": active, "do": todo, "links": list(patch.links)})
-    return len(lines), report
+    lines = clean_lines(text)
+    named, undecided, aside = find(lines, patches)
+    bugs = [{**_entry(item["patch"], environ), "line": item["line"], "text": item["text"],
+             "confidence": item["confidence"], "why": item["why"], "versions": item["versions"]}
+            for item in named]
+    choices = [{"ids": [p.id for p in item["patches"]], "line": item["line"], "text": item["text"],
+                "why": item["why"], "versions": item["versions"],
+                "candidates": [{**_entry(p, environ), "tell": item["tell"][p.id]} for p in item["patches"]]}
+               for item in undecided]
+    set_aside = [{**_entry(item["patch"], environ), "line": item["line"], "text": item["text"],
+                  "ruled_out": item["reason"]} for item in aside]
+    return len(lines), bugs, choices, set_aside
 
 
 def _read(source):
@@ -118,6 +358,34 @@ def _read(source):
         with open(source, "rb") as f:
             data = f.read()
     return data.decode("utf-8", errors="replace")
+
+
+def _print(bugs, choices, aside, count, source):
+    if not bugs and not choices and not aside:
+        print(f"No known bug found in {count} lines of {'standard input' if source == '-' else source}. "
+              f"dspatch knows: {', '.join(_known_ids())}.")
+    for item in bugs:
+        print(f"{item['id']}: {item['cause']}")
+        print(f"  seen at line {item['line']}: {item['text'][:200]}")
+        print(f"  {item['confidence']}" + (f": {'; '.join(item['why'])}" if item["why"] else ""))
+        if item["versions"]:
+            print("  versions: " + ", ".join(f"{k} {v}" for k, v in item["versions"].items()))
+        print(f"  here: {item['verdict']} ({item['reason']}){'; active' if item['active'] else ''}")
+        print(f"  do: {item['do']}")
+    for item in choices:
+        print(f"line {item['line']} shows one of {len(item['ids'])} known bugs, and the log does not say which: "
+              f"{item['text'][:200]}")
+        for why in item["why"]:
+            print(f"  ({why})")
+        for candidate in item["candidates"]:
+            print(f"  - {candidate['id']}: {candidate['cause']}")
+            if candidate["tell"]:
+                print(f"    it is this one if {candidate['tell']}")
+            print(f"    here: {candidate['verdict']} ({candidate['reason']}); do: {candidate['do']}")
+    for item in aside:
+        print(f"line {item['line']} has the message of {item['id']}, which this environment does not have: "
+              f"{item['ruled_out']}. If the log came from another machine, check its versions there.")
+        print(f"  seen: {item['text'][:200]}")
 
 
 def main(argv=None):
@@ -132,22 +400,16 @@ def main(argv=None):
     except OSError as e:
         print(f"dspatch.explain: cannot read {args.log}: {e.strerror or e}", file=sys.stderr)
         return 2
-    count, report = explain(text)
+    count, bugs, choices, aside = explain(text)
     try:
         if args.json:
-            print(json.dumps({"lines": count, "bugs": report}))
-        elif not report:
-            print(f"No known bug found in {count} lines of {'standard input' if args.log == '-' else args.log}. "
-                  f"dspatch knows: {', '.join(_known_ids())}.")
-        for item in [] if args.json else report:
-            print(f"{item['id']}: {item['cause']}")
-            print(f"  seen at line {item['line']}: {item['text'][:200]}")
-            print(f"  here: {item['verdict']} ({item['reason']}){'; active' if item['active'] else ''}")
-            print(f"  do: {item['do']}")
+            print(json.dumps({"lines": count, "bugs": bugs, "undecided": choices, "set_aside": aside}))
+        else:
+            _print(bugs, choices, aside, count, args.log)
         sys.stdout.flush()
     except BrokenPipeError:  # piped into head: end quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0 if report else 1
+    return 0 if bugs or choices or aside else 1
 
 
 def _known_ids():

@@ -21,6 +21,41 @@ class Target:
         return f"{self.module}:{self.qualname}"
 
 
+class Signature:
+    """How a log shows one bug, for `python -m dspatch.explain` (dspatch/explain.py reads these).
+
+    - `message`: regular expression searched in the message of the error (or the warning) the bug produces on stock
+      upstream. A message the log wraps over lines, or puts under an empty `SomeError:` line, is read joined.
+    - `error`: the exception's class name (`AttributeError`; alternatives as `RuntimeError|AssertionError`). The
+      text before the message must then be that name with its colon (qualified or not: `_pickle.UnpicklingError:`),
+      and not a longer name that ends with it (`ModuleAttributeError:`), or nothing at all (a message pasted
+      alone). None: the message alone decides.
+    - `needs`: regular expressions that must each match a line of the message's own traceback (its frames, the
+      lines of the message that follow), so that a message other failures also give names this bug only with them;
+      `context`: ones that must each match somewhere in the log (ranks interleave: the frames of one rank's
+      traceback may follow another rank's message).
+    - `hints`: regular expressions of which one, anywhere in the log, tells this cause from another with the same
+      message (a frame of the Trainer, say); `unless`: ones that, anywhere in the log, tell another cause (the
+      candidate is dropped).
+    - `generic`: the message is one another patch's more specific message also matches (an attribute missing
+      on the engine); on the same line the specific one is named and this one is not.
+    - `tell`: for a reader whose log cannot tell this cause from another with the same message: what to look at.
+    """
+
+    def __init__(self, message, error=None, needs=(), context=(), hints=(), unless=(), generic=False, tell=""):
+        self.message = message
+        self.error = error
+        self.needs = tuple(needs)
+        self.context = tuple(context)
+        self.hints = tuple(hints)
+        self.unless = tuple(unless)
+        self.generic = generic
+        self.tell = tell
+
+    def __repr__(self):
+        return f"Signature({self.error + ': ' if self.error else ''}{self.message!r})"
+
+
 class Patch:
     """One upstream bug, the versions it affects, the code it touches and how to fix it in-process.
 
@@ -45,9 +80,9 @@ class Patch:
     - `renamed`: for a rename-style fix, the attribute renamed, and {"path:function": why} for functions of
       the package that read or write an attribute of that name which is not the renamed one (tests check,
       over every affected release's source, that no other function touches it).
-    - `signatures`: regular expressions, each matching one line of a log (traceback or message) that this bug
-      produces on stock upstream; `python -m dspatch.explain LOG` names the patch when one matches. Match the
-      bug's own words (exception type and message), not the ones of other failures.
+    - `signatures`: how a log shows this bug on stock upstream (Signature objects; see there), for
+      `python -m dspatch.explain LOG`. Match the bug's own words and the frames that tell it from other failures
+      with the same words: a wrong name sends a user to a fix for a bug they do not have.
     - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the
       installed file while the code that runs was rebuilt from it.
     - `in_use()`: optional; a reason why applying now (after its targets were imported and used) or reverting

@@ -23,4 +23,6 @@ MODULES = (
     "transformers.deepspeed_grad_accum_scale",
     "transformers.deepspeed_prefetch_bucket_int",
     "accelerate.zero3_save_model_all_ranks",
+    "trl.grpo_reward_model_zero3",
+    "deepspeed.zero_to_fp32_tied_weights",
 )

@@ -78,7 +78,8 @@ def test_the_upstream_diff_fixes_a_copy_without_dspatch(pid, package_copy):
 
 # patches whose bug writes nothing a log would show (wrong values, silently): explain cannot name them
 SILENT = {"deepspeed/initialize-once": "a second initialize goes through without a word; what breaks later varies",
-          "deepspeed/engine-releases-model": "memory held, no message: proven by what gc.collect() frees"}
+          "deepspeed/engine-releases-model": "memory held, no message: proven by what gc.collect() frees",
+          "transformers/deepspeed-grad-accum-scale": "gradients GA times too small, no message: proven by numbers"}
 
 
 def _upstream_log(pid):
@@ -111,9 +112,15 @@ def test_explain_names_the_bug_from_the_stock_traceback(pid):
     for text in (log, _noisy(log)):
         proc = run_python(["-m", "dspatch.explain", "--json", "-"], env=clean_env(), check=False, input=text)
         assert proc.returncode == 0, (proc.stdout, proc.stderr, log[-3000:])
-        named = {bug["id"]: bug for bug in json.loads(proc.stdout)["bugs"]}
-        assert pid in named and named[pid]["verdict"] == gating.APPLIES, (named, log[-3000:])
-        assert named[pid]["do"].startswith("set DSPATCH=1")
+        report = json.loads(proc.stdout)
+        named = {bug["id"]: bug for bug in report["bugs"]}
+        # where another bug gives the same message and this log cannot tell them apart (a module.id deque on
+        # 0.15.4-0.16.3), the bug is offered among the candidates, never a wrong one named instead
+        offered = {c["id"]: c for choice in report["undecided"] for c in choice["candidates"] if pid in choice["ids"]}
+        assert not named.keys() - {pid}, (named, log[-3000:])
+        found = named.get(pid) or offered.get(pid)
+        assert found and found["verdict"] == gating.APPLIES, (report, log[-3000:])
+        assert found["do"].startswith("set DSPATCH=1")
 
 
 # patches whose own test proves more, in a process it shares with other checks (CI time): each target left out

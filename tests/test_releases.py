@@ -43,6 +43,8 @@ CHECKED = {
     "transformers/deepspeed-grad-accum-scale": ("4.44.0", "4.50.0"),
     "transformers/deepspeed-prefetch-bucket-int": ("4.36.0", "4.46.0"),
     "accelerate/zero3-save-model-all-ranks": ("0.20.0", "1.2.0"),
+    "trl/grpo-reward-model-zero3": ("0.13.0", "0.17.0"),
+    "deepspeed/zero-to-fp32-tied-weights": ("0.14.0", "0.19.8"),
 }
 # For a patch that `requires` another package: versions of it with the bug's need and without.
 OTHERS = {

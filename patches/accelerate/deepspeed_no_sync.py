@@ -49,7 +49,7 @@ Seen on the way, left alone (upstream's behaviour, fixed releases included): at 
 DeepSpeed's no_sync trains differently from the same loop with `sync_each_batch=True` (third loss 0.0681 against
 0.0615 in this job; DeepSpeed documents that its no_sync disables its tracking of accumulation steps).
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 ACCELERATOR = "accelerate.accelerator"
 NO_SYNC = "Accelerator.no_sync"
@@ -107,8 +107,8 @@ PATCH = Patch(
     # 0.26.0-1.8.1, all one source of Accelerator.no_sync
     supported=">=0.26.0",
     diffs={">=0.26.0,<=1.8.1": "accelerate/0002-deepspeed-no-sync-0.26.0-1.8.1.patch"},
-    signatures=(r"AssertionError: no_sync context manager is incompatible with gradient partitioning logic of "
-                r"ZeRO stage",),
+    signatures=(Signature(r"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage",
+                          error="AssertionError"),),
     note=("Accelerator.no_sync keeps its object, name and line numbers but runs code rebuilt from the installed "
           "file: under DeepSpeed at ZeRO stage >= 2 it no longer enters the engine's no_sync (as accelerate >= 1.9.0)"),
 )

@@ -17,7 +17,7 @@ Schedulers DeepSpeed builds itself (`DummyScheduler`, a scheduler in the DeepSpe
 pruned optimizer already and are left alone. The upstream form, `upstream_prs/accelerate/0001-*.patch`, does
 the same inside `_prepare_deepspeed` with a helper in `accelerate/utils/deepspeed.py`.
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 PID = "accelerate/deepspeed-scheduler-param-groups"
 MODULE = "accelerate.accelerator"
@@ -73,7 +73,11 @@ PATCH = Patch(
            ">=1.1.0,<=1.4.0": "accelerate/0001-deepspeed-scheduler-param-groups-1.1.0-1.4.0.patch",
            ">=1.5.0,<=1.11.0": "accelerate/0001-deepspeed-scheduler-param-groups-1.5.0-1.11.0.patch",
            ">=1.12.0,<=1.15.0": "accelerate/0001-deepspeed-scheduler-param-groups.patch"},
-    signatures=(r"ValueError: zip\(\) argument 2 is longer than argument 1",),
+    # the Trainer's loop gives the same message (transformers/trainer-scheduler-after-deepspeed): its frames decide
+    signatures=(Signature(r"zip\(\) argument 2 is longer than argument 1", error="ValueError", needs=(r"lr_scheduler",),
+                          hints=(r"accelerate[/\\]scheduler\.py",), unless=(r"transformers[/\\]trainer\.py",),
+                          tell="no frame of transformers/trainer.py: your own loop steps a torch scheduler given to "
+                               "accelerator.prepare with DeepSpeed"),),
     note=("open upstream: gated by the source of Accelerator._prepare_deepspeed. Wrapped: per prepare() call it "
           "remembers the param groups of each torch scheduler passed in and drops the entries of the groups "
           "DeepSpeed removed; nothing per step"),

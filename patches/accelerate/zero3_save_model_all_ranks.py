@@ -9,7 +9,7 @@ job with them). accelerate 1.1.0 fixed it (PR 3146): a rank that got no state di
 The fix does the same: `Accelerator.save_model` is rebuilt from the installed source with
 `if state_dict is None: return` right after the state dict is obtained (`txn.recode`).
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 ACCELERATOR = "accelerate.accelerator"
 SAVE_MODEL = "Accelerator.save_model"
@@ -52,7 +52,8 @@ PATCH = Patch(
     links=("https://github.com/huggingface/accelerate/issues/2985", "https://github.com/huggingface/accelerate/pull/3146"),
     diffs={">=0.21.0,<=0.24.1": "accelerate/0003-zero3-save-model-all-ranks-0.21.0-0.24.1.patch",
            ">=0.25.0,<=1.0.1": "accelerate/0003-zero3-save-model-all-ranks-0.25.0-1.0.1.patch"},
-    signatures=((r"accelerator\.py.* in save_model", r"AttributeError: 'NoneType' object has no attribute 'items'"),),
+    signatures=(Signature(r"'NoneType' object has no attribute 'items'", error="AttributeError",
+                          needs=(r"accelerator\.py.* in save_model",)),),
     note=("Accelerator.save_model keeps its object, name and line numbers but runs code rebuilt from the installed "
           "file that returns on a rank without the gathered state dict"),
 )

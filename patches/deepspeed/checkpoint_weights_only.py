@@ -34,7 +34,7 @@ engine goes through TorchCheckpointEngine.load). Files written by ds_to_universa
 plain values and load with weights_only=True, so `universal_checkpoint.load_hp_checkpoint_state` needs no fix.
 """
 
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 CKPT_ENGINE = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine"
 BASE_OPTIMIZER = "deepspeed.runtime.base_optimizer"
@@ -90,8 +90,9 @@ PATCH = Patch(
     # releases cannot use the CPU accelerator: the patch is written and run for 0.14.1-0.15.4
     supported=">=0.14.1",
     diffs={">=0.14.1,<=0.15.4": "deepspeed/0002-checkpoint-weights-only-0.14.1-0.15.4.patch"},
-    # torch's refusal, raised from one of deepspeed's loaders
-    signatures=((r"File \".*deepspeed[/\\].*\.py\", line \d+", r"UnpicklingError: Weights only load failed"),),
+    # DeepSpeed's own load: a deepspeed frame or a deepspeed global refused (torch.load elsewhere is not this bug)
+    signatures=(Signature(r"Weights only load failed", error="UnpicklingError",
+                          needs=(r"[/\\]deepspeed[/\\].*\.py|GLOBAL deepspeed\.|deepspeed\.runtime\.",)),),
     note=("the four loaders keep their objects, names and line numbers but run code rebuilt from the installed "
           "file with `weights_only=False` added to its torch.load call; only load checkpoints you trust "
           "(a pickle can run code), as with upstream >= 0.16.0"),

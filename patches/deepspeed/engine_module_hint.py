@@ -20,10 +20,12 @@ with the same type, chaining and `name`/`obj`. `message` reads the engine's `__d
 attribute lookup on the engine, so a half-built or unpickling engine cannot recurse through it) and falls back
 to the stock text on anything unexpected.
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 ENGINE = "deepspeed.runtime.engine"
 GETATTR = "DeepSpeedEngine.__getattr__"
+ENGINE_METHODS = ("set_batch_fn|train_batch|eval_batch|set_dataloader|set_dataiterator|is_first_stage|is_last_stage|"
+                  "no_sync")
 
 # Bands of released source (tests/test_gating_engine_module_hint.py recomputes them from every sdist):
 # 0.14.0-0.14.2 also handle a CompiledModuleWrapper (second message), 0.14.3 dropped that, and 0.19.6
@@ -90,8 +92,12 @@ PATCH = Patch(
            ">=0.14.3,<=0.17.0": "deepspeed/0003-engine-getattr-module-hint-0.14.3-0.17.0.patch",
            ">=0.17.1,<=0.19.5": "deepspeed/0003-engine-getattr-module-hint-0.17.1-0.19.5.patch",
            ">=0.19.6,<=0.19.8": "deepspeed/0003-engine-getattr-module-hint.patch"},
-    # any attribute a user expected on the engine (`model` is DeepSpeed-Chat's), in the message of every release
-    signatures=(r"AttributeError: '(DeepSpeed|Pipeline)Engine' object has no attribute '\w+'$",),
+    # any attribute a user expected on the engine (`model` is DeepSpeed-Chat's), in the message of every release;
+    # generic: an attribute another patch's bug reads on the engine is that bug's
+    # (DeepSpeedLight: the engine's name before 0.3); not the engine methods of PipelineEngine or DDP, whose
+    # absence says nothing about where the model is
+    signatures=(Signature(r"'(?:(?:DeepSpeed|Pipeline)Engine|DeepSpeedLight)' object has no attribute '(?!(?:"
+                          + ENGINE_METHODS + r")')\w+'", error="AttributeError", generic=True),),
     note=("DeepSpeedEngine.__getattr__ keeps its object, name and line numbers but runs code rebuilt from the "
           "installed file whose AttributeError message adds where the model is; successful lookups run "
           "upstream's bytecode unchanged"),

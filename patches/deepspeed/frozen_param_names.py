@@ -37,7 +37,7 @@ The upstream form is `upstream_prs/deepspeed/0004-*.patch` (a `_refresh_param_na
 same three places).
 """
 
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 ENGINE = "deepspeed.runtime.engine"
 FROZEN = "DeepSpeedEngine._get_zero_frozen_param_attributes"
@@ -126,7 +126,7 @@ PATCH = Patch(
     diffs={">=0.14.0,<=0.19.2": "deepspeed/0004-engine-param-names-at-checkpoint-time-0.14.0-0.19.2.patch",
            ">=0.19.3,<=0.19.7": "deepspeed/0004-engine-param-names-at-checkpoint-time-0.19.3-0.19.7.patch",
            "==0.19.8": "deepspeed/0004-engine-param-names-at-checkpoint-time.patch"},
-    signatures=(r"ValueError: failed to find frozen ",),
+    signatures=(Signature(r"failed to find frozen ", error="ValueError"),),
     note=("open upstream (issue 6620; PR 6626 unmerged): gated by the source of its targets, not by a release. "
           "Three DeepSpeedEngine checkpoint methods keep their objects, names and line numbers but run code rebuilt "
           "from the installed file with one added first statement that refreshes engine.param_names"),

@@ -35,7 +35,11 @@ the installed source on <= 0.16.3, and two rebuilds of one function do not compo
 the installed source and drop the first, so dspatch refuses it); a wrapper composes with a rebuild in either
 order.
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
+
+# a weight recomputed as ZeRO-3 leaves it between uses: partitioned, with shape [0]
+PARTITIONED_RECOMPUTE = r"recomputed metadata: \{'shape': torch\.Size\(\[0\]\)"
+FSDP = r"fully_sharded_data_parallel|torch[/\\]distributed[/\\]fsdp|\bFSDP"
 
 OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 FORWARD_RELEASE = "DeepSpeedZeRoOffload.post_sub_module_forward_function"
@@ -119,8 +123,13 @@ PATCH = Patch(
            ">=0.19.1,<=0.19.2": "deepspeed/0006-zero3-frozen-checkpointing-0.19.1-0.19.2.patch"},
     fixed_marker=("deepspeed.runtime.zero.partitioned_param_coordinator",
                   "PartitionedParameterCoordinator.release_backward_leftovers"),  # PR 8148's new method
-    signatures=(r"CheckpointError: torch\.utils\.checkpoint: Recomputed values for the following tensors have "
-                r"different metadata than during the forward pass",),
+    # torch's message for any recompute that differs (plain PyTorch, FSDP, ...): a ZeRO-3 partitioned weight
+    # recomputed with shape [0] is this bug's own
+    # (FSDP's sharded views can be empty too: not this bug)
+    signatures=(Signature(r"(torch\.utils\.checkpoint: )?Recomputed values for the following tensors have different "
+                          r"metadata than during the forward pass", error="CheckpointError",
+                          needs=(PARTITIONED_RECOMPUTE,), unless=(FSDP,)),
+                Signature(PARTITIONED_RECOMPUTE, unless=(FSDP,))),
     note=("DeepSpeedZeRoOffload.post_sub_module_forward_function is wrapped: inside a backward pass (a checkpoint "
           "recompute) the submodule's frozen parameters stay gathered until its backward (or the end of the "
           "backward pass) releases them; outside one, upstream's call as it is"),

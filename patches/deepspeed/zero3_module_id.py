@@ -9,7 +9,10 @@ in every function that writes or reads it, on the installed source; and (c) it r
 """
 import sys
 
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
+
+# where ZeRO-3's trace bookkeeping pops its deque (the message alone is any deque's)
+COORDINATOR_FRAME = r"partitioned_param_coordinator\.py|__step_id_module_fetched_for"
 
 OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
@@ -113,10 +116,11 @@ PATCH = Patch(
            "==0.15.4": "deepspeed/0001-zero3-module-id-to-ds_id-0.15.4.patch",
            ">=0.16.0,<=0.16.2": "deepspeed/0001-zero3-module-id-to-ds_id-0.16.0-0.16.2.patch",
            "==0.16.3": "deepspeed/0001-zero3-module-id-to-ds_id-0.16.3.patch"},
-    # the crash half (the overwritten ids themselves are silent): the prefetch bookkeeping, keyed by `.id`
-    signatures=((r"partitioned_param_coordinator\.py.* in (record_parameters|construct_parameter_trace_from_module_trace"
-                 r"|fetch_sub_module|__ongoing_fetch_events|get_params_to_prefetch)",
-                 r"IndexError: pop from an empty deque"),),
+    # a frame that reads `ds_id` comes from 0.16.4 on, where this bug is fixed
+    signatures=(Signature(r"pop from an empty deque", error="IndexError", context=(COORDINATOR_FRAME,),
+                          unless=(r"\bds_id\b",),
+                          tell="the model's modules have an attribute `id` of their own (deepspeed <= 0.16.3), "
+                               "and nothing removed and re-registered ZeRO-3's hooks (no generation) before it"),),
     in_use=zero3_engines_alive,
     fixed_marker=(OFFLOAD, "DeepSpeedZeRoOffload._register_deepspeed_module"),  # PR 6847's new name
     # every function of deepspeed that touches an attribute `.id`, in every release 0.14.0-0.16.3, is a target,

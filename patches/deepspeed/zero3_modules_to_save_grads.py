@@ -15,7 +15,7 @@ three `hasattr(x, name)` tests replaced by `name in x.__dict__` (`txn.recode`; n
 nothing at run time). The registration is also wrapped by `deepspeed/zero3-trace-invalidation` on 0.16.5-0.19.1:
 the two compose (that wrapper calls this rebuilt code).
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 REGISTER = "DeepSpeedZeRoOffload._register_deepspeed_module"
@@ -57,7 +57,7 @@ PATCH = Patch(
            "https://github.com/deepspeedai/DeepSpeed/issues/7615"),
     diffs={">=0.16.5,<=0.19.0": "deepspeed/0008-zero3-modules-to-save-grads-0.16.5-0.19.0.patch",
            ">=0.19.1,<=0.19.2": "deepspeed/0008-zero3-modules-to-save-grads-0.19.1-0.19.2.patch"},
-    signatures=(r"AttributeError: '\w+' object has no attribute 'ds_grads_remaining'",),
+    signatures=(Signature(r"'\w+' object has no attribute 'ds_grads_remaining'", error="AttributeError"),),
     note=("DeepSpeedZeRoOffload's hook registration keeps its object, name and line numbers but runs code rebuilt "
           "from the installed file that looks up a module's own backward functions in its __dict__"),
 )

@@ -25,7 +25,8 @@ code that function runs). PR 8043 also clears the coordinator's fetch-step map i
 that line is not backported: no path reads that map between an invalidation and the `reset_step` that replaces
 it (reset_step is the only place that turns recording on), so no reproducer could show it matters.
 """
-from dspatch.spec import Patch, Target
+from dspatch.patches.deepspeed.zero3_module_id import COORDINATOR_FRAME
+from dspatch.spec import Patch, Signature, Target
 
 OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 
@@ -37,6 +38,9 @@ TARGETS = (
             "5c395ea1f201992d": "0.16.8-0.19.0", "36c70cf5f780a278": "0.19.1"}, releases=">=0.16.4"),
 )
 DEQUE = "pop from an empty deque"
+# frames of generation, or of a trainer or framework that generates between training steps
+GENERATION = (r"unwrap_model_for_generation|_generate_and_score_completions|\bgenerate\b|remove_hooks|add_hooks|"
+              r"(grpo|ppo|rloo|online_dpo|gkd|xpo|nash_md)_trainer\.py|openrlhf|verl[/\\]|experience_maker|rollout")
 
 
 def invalidate_trace_at_root(wrapped, instance, args, kwargs):
@@ -69,10 +73,12 @@ PATCH = Patch(
            "https://github.com/deepspeedai/DeepSpeed/pull/6662"),
     diffs={">=0.15.4,<=0.16.3": "deepspeed/0007-zero3-trace-invalidation-0.15.4-0.16.3.patch",
            ">=0.16.4,<=0.19.1": "deepspeed/0007-zero3-trace-invalidation-0.16.4-0.19.1.patch"},
-    # the message alone is also what a user-set module.id gives on <= 0.16.3 (deepspeed/zero3-module-id): explain
-    # tells them apart by the frames and the releases (see dspatch/explain.py)
-    signatures=((r"partitioned_param_coordinator\.py.* in (record_parameters|construct_parameter_trace_from_module_trace)",
-                 r"IndexError: pop from an empty deque"),),
+    # the message is also what a user-set module.id gives on <= 0.16.3 (deepspeed/zero3-module-id): a frame of
+    # generation (or of a trainer that generates) in the traceback, or the versions, tell them apart
+    signatures=(Signature(r"pop from an empty deque", error="IndexError", context=(COORDINATOR_FRAME + "|" + GENERATION,),
+                          hints=(GENERATION,),
+                          tell="it comes in training right after generation (trl GRPO/PPO/RLOO/online DPO/GKD, "
+                               "unwrap_model_for_generation, an RLHF framework's rollout) on deepspeed 0.15.4-0.19.1"),),
     note=("DeepSpeedZeRoOffload's hook registration is wrapped: registering the root module invalidates ZeRO-3's "
           "recorded trace, as deepspeed 0.19.2 does; nothing runs per step"),
 )

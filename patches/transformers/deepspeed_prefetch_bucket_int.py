@@ -11,7 +11,7 @@ rounding to an int; older deepspeed accepted the float, so the gate needs both p
 The fix does the same: `trainer_config_finalize` is rebuilt from the installed source with that one expression
 wrapped in `int(...)` (`txn.recode`).
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 DS_INTEGRATION = "transformers.integrations.deepspeed"
 FINALIZE = "HfTrainerDeepSpeedConfig.trainer_config_finalize"
@@ -46,9 +46,8 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/issues/6525", "https://github.com/huggingface/transformers/pull/33402"),
     diffs={">=4.38.0,<=4.44.2": "transformers/0004-deepspeed-prefetch-bucket-int-4.38.0-4.44.2.patch"},
-    # pydantic's message over three lines: the model, the field, the reason
-    signatures=((r"ValidationError: \d+ validation errors? for DeepSpeedZeroConfig", r"^\s*stage3_prefetch_bucket_size\s*$",
-                 r"Input should be a valid integer, got a number with a fractional part"),),
+    signatures=(Signature(r"Input should be a valid integer, got a number with a fractional part",
+                          needs=(r"^\s*stage3_prefetch_bucket_size\s*$",)),),
     note=("HfTrainerDeepSpeedConfig.trainer_config_finalize keeps its object, name and line numbers but runs code "
           "rebuilt from the installed file that fills stage3_prefetch_bucket_size with an int"),
 )

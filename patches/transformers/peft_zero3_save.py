@@ -30,7 +30,10 @@ The tensors are copied (`.to("cpu", copy=True)`) in the dtype they train in, as 
 How: `txn.recode` rebuilds `Trainer.save_model` from the installed source with that one call replaced (line
 numbers kept, no wrapper); the Trainer's other code, and anything that subclasses it, runs as before.
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
+
+PEFT_AT_WORK = (r"[/\\]peft[/\\]|trainable params: [\d,]+ \|\| all params|adapter_model\.(safetensors|bin)|"
+                r"adapter_config\.json|\bLora(Config|Model)\b|\blora_[AB]\b")
 
 PID = "transformers/peft-zero3-save"
 TRAINER = "transformers.trainer"
@@ -124,8 +127,10 @@ PATCH = Patch(
     # The bug raises nothing. What its log shows is the Trainer's warning for this fallback; the same line is
     # logged (correctly) for a model without PEFT, whose full weights are in DeepSpeed's checkpoint: with PEFT it
     # means the adapter file is empty.
-    signatures=(r"stage3_gather_16bit_weights_on_model_save=false\. Saving the full checkpoint instead, use "
-                r"zero_to_fp32\.py to recover weights",),
+    # the Trainer says this for every model at ZeRO-3 without the flag; a full model is saved right (zero_to_fp32),
+    # so only a log that shows PEFT at work names this bug
+    signatures=(Signature(r"stage3_gather_16bit_weights_on_model_save=false\. Saving the full checkpoint instead, "
+                          r"use zero_to_fp32\.py to recover weights", context=(PEFT_AT_WORK,)),),
     note=("Trainer.save_model keeps its object and line numbers but runs code rebuilt from the installed file with "
           "its DeepSpeed state-dict call routed through dspatch (PEFT at ZeRO-3 without the gather flag: the "
           "trainable parameters gathered on every rank; otherwise accelerate, as stock)"),

@@ -36,7 +36,7 @@ those (as upstream >= 5.1.0 would).
 No re-alignment is needed on this path, so it shares nothing with accelerate/deepspeed-scheduler-param-groups
 (which re-aligns a scheduler the user built before `Accelerator.prepare`, in dspatch.patches.scheduler_param_groups).
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 PID = "transformers/trainer-scheduler-after-deepspeed"
 TRAINER = ("transformers.trainer", "Trainer._inner_training_loop")
@@ -169,7 +169,10 @@ PATCH = Patch(
            ">=4.57.1,<=4.57.6": "transformers/0001-trainer-scheduler-after-deepspeed-4.57.1-4.57.6.patch",
            "==5.0.0": "transformers/0001-trainer-scheduler-after-deepspeed-5.0.0.patch",
            "==5.1.0": "transformers/0001-trainer-scheduler-after-deepspeed-5.1.0.patch"},
-    signatures=(r"ValueError: zip\(\) argument 2 is longer than argument 1",),
+    # a custom accelerate loop gives the same message (accelerate/deepspeed-scheduler-param-groups): frames decide
+    signatures=(Signature(r"zip\(\) argument 2 is longer than argument 1", error="ValueError", needs=(r"lr_scheduler",),
+                          hints=(r"transformers[/\\]trainer\.py",),
+                          tell="the traceback passes through transformers/trainer.py (the Trainer's own loop)"),),
     note=("Trainer._inner_training_loop and deepspeed_optim_sched keep their objects and line numbers but run code "
           "rebuilt from the installed file: under DeepSpeed the scheduler is created right after "
           "accelerator.prepare (create_scheduler is called there; create_optimizer_and_scheduler is not called "

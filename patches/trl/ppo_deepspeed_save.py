@@ -37,7 +37,7 @@ subclass's `_save` still runs). Nothing runs per training step.
 """
 import functools
 
-from dspatch.spec import Patch, Target
+from dspatch.spec import Patch, Signature, Target
 
 PPOV2 = "trl.trainer.ppov2_trainer"
 PPO = "trl.trainer.ppo_trainer"
@@ -122,9 +122,11 @@ PATCH = Patch(
     diffs={">=0.11.0,<0.12.0": "trl/0001-ppo-deepspeed-save-ppov2_trainer-0.11.0-0.11.4.patch",
            ">=0.12.0,<0.26.0": "trl/0001-ppo-deepspeed-save-ppo_trainer-0.12.0-0.25.1.patch",
            ">=0.26.0,<1.13.0": "trl/0001-ppo-deepspeed-save-experimental-0.26.0-1.12.0.patch"},
-    signatures=(r"AttributeError: '\w+' object has no attribute 'zero_gather_16bit_weights_on_model_save'",
-                (r"File \".*transformers[/\\]trainer\.py\", line \d+, in save_model",
-                 r"AttributeError: '\w+Config' object has no attribute 'get'")),
+    # not 'NoneType' (an older trl/transformers bug with another cause: no engine at all)
+    signatures=(Signature(r"'(?!NoneType')\w+' object has no attribute 'zero_gather_16bit_weights_on_model_save'",
+                          error="AttributeError"),
+                Signature(r"'\w+Config' object has no attribute 'get'", error="AttributeError",
+                          needs=(r"transformers[/\\]trainer\.py\", line \d+, in save_model",))),
     note=("open upstream (trl issues 2885, 2122): gated by the source of save_model in each band of releases. "
           "The PPO trainer's save_model is wrapped: without DeepSpeed it runs upstream's code untouched; with "
           "DeepSpeed it saves the policy with the weights gathered from the engine on every rank (the main "

@@ -27,7 +27,7 @@ reset of that trace makes that reset fail with `IndexError: pop from an empty de
 second update, seen here; the RLOO run of the reproducer below is not hit). With this patch trl 0.15.2 behaves exactly as
 trl 0.16.0 does there.
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature
 
 UTILS = "trl.models.utils"
 OLD, NEW = "_register_hooks_recursively", "_register_deepspeed_module"
@@ -38,7 +38,7 @@ FINGERPRINTS = {
     (UTILS, "add_hooks"): {"715953abba3e9aaa": "0.8.2-0.14.0", "a13a05d0629e166a": "0.15.0-0.15.2"},
 }
 
-SIGNATURE = r"AttributeError: '\w+' object has no attribute '_register_hooks_recursively'"
+SIGNATURE = r"'?\w+' object has no attribute '_register_hooks_recursively'"  # the quote is lost in pastes
 
 
 def new_registration_name(definition):
@@ -74,7 +74,7 @@ PATCH = Patch(
            "https://github.com/deepspeedai/DeepSpeed/pull/6847"),
     supported=">=0.8.2",
     diffs={">=0.8.2,<=0.15.2": "trl/0002-zero3-generation-hooks-0.8.2-0.15.2.patch"},
-    signatures=(SIGNATURE,),
+    signatures=(Signature(SIGNATURE, error="AttributeError"),),
     note=("trl.models.utils.add_hooks keeps its object, name and line numbers but runs code rebuilt from the "
           "installed file with `_register_hooks_recursively` read as `_register_deepspeed_module`"),
 )

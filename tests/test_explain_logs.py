@@ -1,0 +1,93 @@
+"""dspatch.explain on logs real users pasted into public upstream threads (tests/explain_logs/).
+
+Each file is one log: a header (`# source:` the thread, `# expect:` the patch whose bug it shows, `none` for a
+failure that looks alike but has another cause, `ambiguous` where the thread itself cannot say; `# why:` how the
+thread tells; optionally `# environment:` the versions the thread reports, as explain would find them installed,
+and `# decides: no (...)` where the log lacks what tells the bug from the look-alikes) and then only the
+machine-written lines, as pasted: frames, messages, rank prefixes, wraps, noise.
+
+The rules: no log names a wrong patch (a wrong name sends a user to a fix for a bug they do not have); every log
+that decides names its bug; a log that cannot decide names nothing (it may list its bug among candidates).
+"""
+import glob
+import os
+import re
+
+import pytest
+
+from dspatch import explain, registry
+
+pytestmark = pytest.mark.unit_only
+
+FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explain_logs")
+LOGS = sorted(glob.glob(os.path.join(FOLDER, "*", "*.log")))
+PATCHES = registry.all_patches()
+HEADER = re.compile(r"^# (source|expect|why|versions|environment|decides): (.*)$")
+
+
+def read(path):
+    """(header fields, the log's own text)."""
+    header, body = {}, []
+    with open(path, encoding="utf-8") as f:
+        for line in f.read().split("\n"):
+            found = HEADER.match(line)
+            if found and not body:
+                header[found.group(1)] = found.group(2).strip()
+            else:
+                body.append(line)
+    return header, "\n".join(body)
+
+
+def verdict(path, monkeypatch):
+    header, text = read(path)
+    installed = dict(pair.split("=") for pair in header.get("environment", "").split())
+    # the machine the thread's job ran on, not this one
+    monkeypatch.setattr(explain, "_environment_versions",
+                        lambda names: {n: v for n, v in installed.items() if n in names})
+    named, undecided, _ = explain.find(explain.clean_lines(text), list(PATCHES.values()))
+    return header, [n["patch"].id for n in named], [[p.id for p in u["patches"]] for u in undecided]
+
+
+def test_the_logs_are_as_described():
+    assert len(LOGS) >= 100
+    linked = {link for patch in PATCHES.values() for link in patch.links}
+    elsewhere = 0
+    for path in LOGS:
+        header, text = read(path)
+        assert re.match(r"https://github\.com/[\w.-]+/[\w.-]+/(issues|pull)/\d+$", header["source"]), path
+        assert header["expect"] in ("none", "ambiguous") or header["expect"] in PATCHES, path
+        assert header.get("why") and text.strip(), path
+        elsewhere += header["source"] not in linked
+    assert elsewhere >= len(LOGS) / 3  # at least a third from threads the patches do not link
+
+
+@pytest.mark.parametrize("path", LOGS, ids=[os.path.relpath(p, FOLDER) for p in LOGS])
+def test_explain_on_a_real_log(path, monkeypatch):
+    header, named, undecided = verdict(path, monkeypatch)
+    expect = header["expect"]
+    if expect in ("none", "ambiguous"):
+        assert named == [], f"{header['source']}: named {named} on a log of another failure"
+        if expect == "none":
+            assert undecided == [], f"{header['source']}: offered {undecided} on a log of another failure"
+    elif header.get("decides", "").startswith("no"):
+        assert named == [] and all(expect in choice for choice in undecided), (named, undecided)
+    else:
+        assert named == [expect], f"{header['source']}: named {named}, undecided {undecided}"
+
+
+def test_how_often_the_right_bug_is_named(monkeypatch, capsys):
+    """Printed for the README and the notes (-s shows it): per bug, how many of its logs name it."""
+    shown = {}
+    for path in LOGS:
+        header, named, _ = verdict(path, monkeypatch)
+        if header["expect"] in PATCHES:
+            right, total = shown.get(header["expect"], (0, 0))
+            shown[header["expect"]] = (right + (named == [header["expect"]]), total + 1)
+    with capsys.disabled():
+        print(f"\nexplain on {len(LOGS)} real logs ({sum(t for _, t in shown.values())} showing a known bug):")
+        for pid, (right, total) in sorted(shown.items()):
+            print(f"  {pid}: named in {right} of {total}")
+    right = sum(r for r, _ in shown.values())
+    total = sum(t for _, t in shown.values())
+    undecidable = sum(1 for path in LOGS if read(path)[0].get("decides", "").startswith("no"))
+    assert right == total - undecidable
