@@ -1,6 +1,7 @@
 """dspatch benchmarks: every figure is a ratio against a baseline measured in the same run.
 
     nox -s bench                       (or: python bench/run.py in an environment with dspatch + a stack)
+    python bench/run.py --only=import  (--quick: fewer runs; --only=startup,import,steps: those parts)
 
 1. start-up: `python -c pass` in a fresh venv without dspatch, and in one with the dspatch wheel installed,
    DSPATCH unset and DSPATCH=1 (interleaved runs); plus what DSPATCH=1 imports, from -X importtime.
@@ -161,6 +162,7 @@ def steps():
 
 
 if __name__ == "__main__":
-    startup()
-    import_and_check()
-    steps()
+    PARTS = {"startup": startup, "import": import_and_check, "steps": steps}
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(PARTS))
+    for part in only:
+        PARTS[part]()

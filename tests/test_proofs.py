@@ -271,6 +271,9 @@ def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, 
                     f"{probe.stderr.strip().splitlines()[-1][:200]}")
     name = patch.band_check
     stock = verify(pid, clean_env(PYTHONPATH=str(site)), "--only", name)
+    if "torch._C' has no attribute '_cuda" in stock["results"][name]:  # accelerate < 0.25 with DeepSpeed
+        pytest.skip(f"{patch.distribution} {version} runs this reproducer on CUDA only (this torch is a CPU "
+                    f"build): that band is proven by fingerprint and `git apply` only")
     assert patch.expected_on_stock[name] in stock["results"][name], (version, name, stock["results"][name])
     subprocess.run(["git", "apply", os.path.join(data_dir("upstream_prs"), patch.diffs[band])], cwd=root, check=True)
     fixed = verify(pid, clean_env(PYTHONPATH=str(site)), "--only", name)
