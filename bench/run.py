@@ -78,26 +78,28 @@ STACK_IMPORT = "import deepspeed, transformers, transformers.trainer, accelerate
 
 def import_and_check():
     """The stack's import with DSPATCH=1 against unset, and --check against `import deepspeed`, each with the
-    cache warm and cold, interleaved runs (one cache folder for all, XDG_CACHE_HOME; cold: dspatch's part of it
-    emptied right before the run)."""
+    cache warm and cold, interleaved runs (XDG_CACHE_HOME: one folder for the warm cases, another, emptied right
+    before each run, for the cold ones)."""
     import shutil
 
     runs = 5 if QUICK else 9
-    cache = tempfile.mkdtemp(prefix="dspatch-bench-cache-")
-    computed = os.path.join(cache, "dspatch", "computed")
-    base = env(XDG_CACHE_HOME=cache)
+    # two cache folders: the warm cases' is never emptied; the cold cases' is emptied before each of their runs
+    # (one folder for both would leave the warm cases what the last cold --check computed: a cache half cold)
+    warm, cold_cache = (tempfile.mkdtemp(prefix=f"dspatch-bench-{n}-") for n in ("warm", "cold"))
+    computed = os.path.join(cold_cache, "dspatch", "computed")
+    base, cold = env(XDG_CACHE_HOME=warm), env(XDG_CACHE_HOME=cold_cache)
     cases = {"import, DSPATCH unset": ([sys.executable, "-c", STACK_IMPORT], base, False),
              "import, DSPATCH=1, cache warm": ([sys.executable, "-c", STACK_IMPORT], {**base, "DSPATCH": "1"}, False),
-             "import, DSPATCH=1, cache cold": ([sys.executable, "-c", STACK_IMPORT], {**base, "DSPATCH": "1"}, True),
+             "import, DSPATCH=1, cache cold": ([sys.executable, "-c", STACK_IMPORT], {**cold, "DSPATCH": "1"}, True),
              "import deepspeed": ([sys.executable, "-c", "import deepspeed"], base, False),
              "--check, cache warm": ([sys.executable, "-m", "dspatch.apply", "--check"], base, False),
-             "--check, cache cold": ([sys.executable, "-m", "dspatch.apply", "--check"], base, True)}
+             "--check, cache cold": ([sys.executable, "-m", "dspatch.apply", "--check"], cold, True)}
     for cmd, e, _ in cases.values():  # warm every file cache of the OS, and dspatch's
         wall(cmd, e, 1)
     samples = {k: [] for k in cases}
     for _ in range(runs):
-        for name, (cmd, e, cold) in cases.items():
-            if cold:
+        for name, (cmd, e, empty) in cases.items():
+            if empty:
                 shutil.rmtree(computed, ignore_errors=True)
             samples[name] += wall(cmd, e, 1)
     m = {k: statistics.median(v) for k, v in samples.items()}
@@ -110,7 +112,8 @@ def import_and_check():
     for state in ("warm", "cold"):
         print(f"   --check against `import deepspeed`, cache {state}: "
               f"{100 * m[f'--check, cache {state}'] / m['import deepspeed']:.1f}%")
-    shutil.rmtree(cache, ignore_errors=True)
+    for folder in (warm, cold_cache):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def ratio_interval(stock, patched, draws=2000):

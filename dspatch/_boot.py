@@ -2,7 +2,7 @@
 
 It must stay cheap: standard library only, no file reads. It puts dspatch._hook's finder at the front of
 sys.meta_path; only when a module of a watched package finishes executing is the patch machinery
-(dspatch._runtime, wrapt, packaging) imported. Packages imported before this hook are handled by the runtime at
+(dspatch._runtime, wrapt) imported. Packages imported before this hook are handled by the runtime at
 activation. This is the top of dspatch's dependency graph: nothing in dspatch imports it.
 """
 import os

@@ -12,14 +12,23 @@ to a temporary name and renamed, so ranks starting together on one node share th
 corrupt or foreign entry, or a cache folder that cannot be written (read-only home, a container), means the value is
 computed as if there were no cache: never a wrong value, never an error. `DSPATCH_CACHE=0` turns the cache off.
 """
-import hashlib
 import marshal
 import os
 import sys
 
-_FORMAT = b"dspatch-cache-1\n"
-_sources = {}  # module file -> sha256 of its bytes, once per process
-_contents = {}  # (path, stat fields incl. ctime) -> sha256 of the file's bytes, within this process
+try:  # BLAKE2b as the interpreter builds it in: hashlib would load OpenSSL first (2-3 ms, a tenth of --check)
+    from _blake2 import blake2b as _blake2b
+except ImportError:  # an interpreter without it
+    from hashlib import blake2b as _blake2b
+
+_FORMAT = b"dspatch-cache-2\n"
+_sources = {}  # module file -> hash of its bytes, once per process
+_contents = {}  # (path, stat fields incl. ctime) -> hash of the file's bytes, within this process
+
+
+def digest(data=b""):
+    """A 256-bit BLAKE2b hash object (what every key and content hash of the cache is)."""
+    return _blake2b(data, digest_size=32)
 
 
 def enabled():
@@ -34,33 +43,33 @@ def folder():
 
 
 def content_hash(path):
-    """sha256 of a file's bytes. Read again whenever its stat changed, ctime included: any write changes ctime,
+    """The hash of a file's bytes. Read again whenever its stat changed, ctime included: any write changes ctime,
     which no tool can set back (an edit that keeps size and mtime is still seen)."""
     st = os.stat(path)
     key = (path, st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
     found = _contents.get(key)
     if found is None:
         with open(path, "rb") as f:
-            found = hashlib.sha256(f.read()).hexdigest()
+            found = digest(f.read()).hexdigest()
         _contents[key] = found
     return found
 
 
 def code_hash(*modules):
     """What the named modules of dspatch (module objects) compute with: a hash of their source files."""
-    digest = hashlib.sha256()
+    combined = digest()
     for module in modules:
         path = module.__file__
         if path not in _sources:
             with open(path, "rb") as f:
-                _sources[path] = hashlib.sha256(f.read()).hexdigest()
-        digest.update(_sources[path].encode())
-    return digest.hexdigest()
+                _sources[path] = digest(f.read()).hexdigest()
+        combined.update(_sources[path].encode())
+    return combined.hexdigest()
 
 
 def _key(kind, parts):
     text = "\0".join([kind, sys.implementation.cache_tag or "", sys.version, *parts])
-    return text.encode(), hashlib.sha256(text.encode()).hexdigest()
+    return text.encode(), digest(text.encode()).hexdigest()
 
 
 def get(kind, parts):

@@ -6,10 +6,7 @@
 `--check` decides from installed metadata and source files; it imports neither torch nor any patched
 package (except with --verify, which runs each applicable patch's reproducers in subprocesses).
 """
-import argparse
-import json
 import os
-import subprocess
 import sys
 
 import dspatch
@@ -39,6 +36,9 @@ def _verify(patch, progress=None):
         started = time.monotonic()
         if progress:
             progress(f"dspatch: --verify {patch.id}: {mode} ({len(patch.scenarios)} reproducers)...")
+        import json
+        import subprocess  # --verify only: --check stays light
+
         proc = subprocess.run([sys.executable, "-m", "dspatch.verify", patch.id, *extra], env=env,
                               capture_output=True, text=True)
         if progress:
@@ -79,6 +79,8 @@ def check(args):
             if row.patch.id in verified:
                 d["verify"] = verified[row.patch.id]
             out["patches"].append(d)
+        import json
+
         print(json.dumps(out, indent=2))
         return status
     print(f"dspatch {dspatch.__version__}: {state}")
@@ -141,7 +143,30 @@ def run_script(args):
     return 0
 
 
-def main(argv=None):
+# `--check` with these flags alone (what users and launchers run) is read without argparse, which with the
+# shutil it pulls in costs a sixth of --check; anything else (a script, --only, --help, a typo) goes to argparse
+_PLAIN_FLAGS = {"--check": "check", "--json": "json", "-v": "verbose", "--verbose": "verbose", "--strict": "strict",
+                "--verify": "verify"}
+
+
+def _plain(argv):
+    """The parsed arguments when argv holds only flags of _PLAIN_FLAGS, each once; else None."""
+    if len(set(argv)) != len(argv) or not set(argv) <= set(_PLAIN_FLAGS):
+        return None
+    if "-v" in argv and "--verbose" in argv:
+        return None
+    import types
+
+    args = types.SimpleNamespace(**dict.fromkeys(_PLAIN_FLAGS.values(), False), only=None, script=None,
+                                 script_args=[])
+    for flag in argv:
+        setattr(args, _PLAIN_FLAGS[flag], True)
+    return args
+
+
+def _parser():
+    import argparse
+
     parser = argparse.ArgumentParser(prog="python -m dspatch.apply", description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
@@ -156,6 +181,14 @@ def main(argv=None):
                         help="comma-separated patch ids or prefixes instead of DSPATCH")
     parser.add_argument("script", nargs="?", help="a Python script to run with dspatch active")
     parser.add_argument("script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv=None):
+    args = _plain(sys.argv[1:] if argv is None else list(argv))
+    if args is not None:
+        return check(args)
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.script and args.check:
         parser.error("--check takes no script: run `--check` alone, or a script without it")

@@ -183,8 +183,8 @@ def _hits(lines, patches):
 
 
 def _in_range(version, specifier):
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
+    from dspatch.versions import SpecifierSet
+    from dspatch.versions import InvalidVersion, Version
 
     try:
         return SpecifierSet(specifier or "").contains(Version(version), prereleases=True)

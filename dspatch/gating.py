@@ -4,14 +4,12 @@ Nothing here imports torch or a target package (`--check` must be cheap and must
 broken or absent). The runtime uses the same functions on the files of the modules it is about to patch,
 so `--check` and what happens in a training job cannot disagree.
 """
-import ast
-import hashlib
 import importlib.machinery
-import io
 import os
 import re
 import sys
-import tokenize
+
+# ast, tokenize, io and hashlib are imported where they are used: with dspatch's cache warm, --check needs none
 
 
 APPLIES = "applies"
@@ -132,6 +130,8 @@ def _stamp(path):
 def _lines(path):
     """(source, lines as the parser counts them, index of the lines that start a definition, memo of block ends
     for _block_end)."""
+    import io
+
     key = _stamp(path)
     if key not in _read:
         with open(path, encoding="utf-8") as f:
@@ -143,6 +143,8 @@ def _lines(path):
 
 
 def _parse(path):
+    import ast
+
     key = _stamp(path)
     if key not in _parsed:
         source, lines, _, _ = _lines(path)
@@ -189,6 +191,8 @@ def _block_end(lines, start, ends):
 
 def _quick_segment(lines, qualname, index=None, ends=None):
     """(first line number, lines) of a definition, or None when its lines alone do not tell for sure."""
+    import ast
+
     index = _index(lines) if index is None else index
     ends = {} if ends is None else ends
     lo, hi, indent = 0, len(lines), ""
@@ -236,6 +240,8 @@ def first_line(node):
 
 def find_definition(tree, qualname):
     """The definition `qualname` names: the last one of that name in its scope, as Python binds it."""
+    import ast
+
     node = tree
     for part in qualname.split("."):
         found = [child for child in getattr(node, "body", ())
@@ -267,6 +273,10 @@ def code_tokens(text):
     indentation widths (block structure is kept as INDENT/DEDENT marks), string literals by value (quotes,
     prefixes and implicit concatenation normalised). The same for every Python version: f-strings, which
     Python 3.12 splits into parts, are kept as their source text."""
+    import ast
+    import io
+    import tokenize
+
     lines = text.splitlines(keepends=True)
     out, depth, start = [], 0, None
     fstring_start = getattr(tokenize, "FSTRING_START", None)
@@ -315,6 +325,8 @@ def fingerprint_lines(lines):
     """Hash of a definition's code tokens (see code_tokens): blind to comments, blank lines, line wrapping,
     indentation widths and string quoting, which releases and forks change without changing behaviour; not
     blind to any change of code (docstrings included), nor dependent on the Python version reading it."""
+    import hashlib
+
     return hashlib.sha256("\x1f".join(code_tokens("\n".join(lines) + "\n")).encode()).hexdigest()[:16]
 
 
@@ -370,6 +382,8 @@ class Row:
 def _source_mismatch(patch, locate, version=None):
     """None when every target's source (of release `version`'s targets) is a released one the patch knows; else
     why not."""
+    import tokenize
+
     targets = patch.targets_for(version)
     if not targets:
         return f"no code of {patch.distribution} {version} is known to this patch (none of its targets' releases)"
@@ -406,8 +420,8 @@ def evaluate(patch, version=None, locate=module_file, others=None):
             return None, BROKEN, (f"{patch.distribution}'s files are installed ({found}) but its metadata "
                                   f"(dist-info) is missing or unreadable, so its release cannot be told; left out")
         return None, NOT_INSTALLED, f"{patch.distribution} is not installed"
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
+    from dspatch.versions import SpecifierSet
+    from dspatch.versions import InvalidVersion, Version
 
     try:
         parsed = Version(version)

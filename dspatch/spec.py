@@ -143,8 +143,8 @@ class Patch:
         without `releases`. Every target when `version` is None."""
         if version is None or all(t.releases is None for t in self.all_targets):
             return self.all_targets
-        from packaging.specifiers import SpecifierSet
-        from packaging.version import InvalidVersion, Version
+        from dspatch.versions import SpecifierSet
+        from dspatch.versions import InvalidVersion, Version
 
         try:
             parsed = Version(version)
@@ -174,7 +174,7 @@ class Patch:
 
     def diff_for(self, version):
         """The upstream diff (path under upstream_prs/) for this release, or None."""
-        from packaging.specifiers import SpecifierSet
+        from dspatch.versions import SpecifierSet
 
         for band, path in self.diffs.items():
             if SpecifierSet(band).contains(version, prereleases=True):

@@ -1,8 +1,9 @@
 """What --check shows: each patch's verdict for this environment (dspatch.gating, which knows nothing of this
 process) joined with the selection (dspatch.registry) and what this process has done (dspatch._runtime)."""
 import os
+import sys
 
-from dspatch import _runtime, gating, registry  # _runtime is light: it imports wrapt only to apply a patch
+from dspatch import gating, registry
 
 
 def check_all(ids=None, environ=None, source="dspatch.apply()"):
@@ -15,9 +16,10 @@ def check_all(ids=None, environ=None, source="dspatch.apply()"):
     else:
         left_out = {}
     rows = []
+    runtime = sys.modules.get("dspatch._runtime")  # not loaded: this process has applied nothing
     for pid, patch in patches.items():
         version, verdict, reason = gating.evaluate(patch)
-        state = _runtime.state_of(pid)
+        state = runtime.state_of(pid) if runtime else None
         if state is not None:
             verdict, reason = state
         elif pid in left_out:

@@ -155,3 +155,19 @@ def test_export_writes_exactly_the_installed_releases_diffs_and_they_apply(tmp_p
 
 def dspatch_check_rows():
     return json.loads(run_python(["-m", "dspatch.apply", "--check", "--json"]).stdout)["patches"]
+
+
+def test_plain_flags_read_without_argparse_as_argparse_reads_them():
+    import itertools
+
+    import importlib
+
+    apply = importlib.import_module("dspatch.apply")  # (dspatch.apply, the name, is also dspatch's function)
+    flags = list(apply._PLAIN_FLAGS)
+    for n in range(len(flags) + 1):
+        for argv in itertools.permutations(flags, n) if n < 3 else itertools.combinations(flags, n):
+            fast = apply._plain(list(argv))
+            if fast is not None:
+                assert vars(fast) == vars(apply._parser().parse_args(list(argv))), argv
+    assert apply._plain(["--check", "--check"]) is None and apply._plain(["--only", "x"]) is None
+    assert apply._plain(["train.py"]) is None and apply._plain(["-v", "--verbose"]) is None

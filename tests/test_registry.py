@@ -247,7 +247,8 @@ def test_dspatch_modules_import_each_other_one_way():
 
     cycles = [c for c in (cycle_from(m, [m]) for m in graph) if c]
     assert not cycles, cycles
-    assert graph["_hook"] == set() and graph["_cache"] <= {"_hook"} and graph["gating"] <= {"_hook", "_cache"}, graph
+    assert graph["_hook"] == set() and graph["versions"] == set() and graph["_cache"] <= {"_hook"}, graph
+    assert graph["gating"] <= {"_hook", "_cache", "versions"}, graph
     assert not any("_boot" in uses for uses in graph.values()), graph
 
 
