@@ -6,10 +6,9 @@ so `--check` and what happens in a training job cannot disagree.
 """
 import importlib.machinery
 import os
-import re
 import sys
 
-# ast, tokenize, io and hashlib are imported where they are used: with dspatch's cache warm, --check needs none
+# ast, tokenize, io, hashlib and re are imported where they are used: with dspatch's cache warm, --check needs none
 
 
 APPLIES = "applies"
@@ -36,12 +35,20 @@ def installed_version(distribution):
     return _versions[key]
 
 
+def _normal(name):
+    """A distribution's name as its dist-info folder spells it (PEP 503: runs of -_. as one _, lower case)."""
+    name = name.lower().replace("-", "_").replace(".", "_")
+    while "__" in name:
+        name = name.replace("__", "_")
+    return name
+
+
 def _version_from_dist_info(distribution):
     """The `Version:` of the first `<name>-<version>.dist-info` on sys.path, read directly: importing
     importlib.metadata (and the email parser it reads metadata with) costs more than all of `--check` else.
     Anything else (an .egg-info, a zip or egg on sys.path, a METADATA without a plain Version line) is left to
     importlib.metadata, so the answer is always the one it gives."""
-    wanted = re.sub(r"[-_.]+", "_", distribution).lower()
+    wanted = _normal(distribution)
     for entry in sys.path:
         try:
             names = os.listdir(entry or ".")
@@ -51,9 +58,9 @@ def _version_from_dist_info(distribution):
             continue
         for name in names:
             lowered = name.lower()
-            if lowered.endswith(".egg-info") and re.sub(r"[-_.]+", "_", lowered.split("-")[0]) == wanted:
+            if lowered.endswith(".egg-info") and _normal(lowered.split("-")[0]) == wanted:
                 return _metadata_version(distribution)
-            if not lowered.endswith(".dist-info") or re.sub(r"[-_.]+", "_", lowered[:-10].rpartition("-")[0]) != wanted:
+            if not lowered.endswith(".dist-info") or _normal(lowered[:-10].rpartition("-")[0]) != wanted:
                 continue
             try:
                 with open(os.path.join(entry or ".", name, "METADATA"), encoding="utf-8") as f:
@@ -159,11 +166,20 @@ def _parse(path):
 # Anything else (a header over several lines, a string that breaks the indentation, a statement or a bracket
 # right above) answers None and the caller parses the whole file: this makes lookups faster, never different
 # (tested on every definition of the standard library and of the stacks' packages).
-_DEF = re.compile(r"([ \t]*)(?:async[ \t]+def|def|class)[ \t]+(\w+)")
+_DEF = None  # compiled on first use: a warm --check never needs it
+
+
+def _def_match(line):
+    global _DEF
+    if _DEF is None:
+        import re
+
+        _DEF = re.compile(r"([ \t]*)(?:async[ \t]+def|def|class)[ \t]+(\w+)")
+    return _DEF.match(line)
 
 
 def _index(lines):
-    return [(i, m.group(1), m.group(2)) for i, line in enumerate(lines) for m in [_DEF.match(line)] if m]
+    return [(i, m.group(1), m.group(2)) for i, line in enumerate(lines) for m in [_def_match(line)] if m]
 
 
 def _meaningful(line):
@@ -216,7 +232,7 @@ def _quick_segment(lines, qualname, index=None, ends=None):
             continue
         if _width(line) == len(indent) and line.lstrip().startswith("@"):
             first = i
-        elif _width(line) < len(indent) or _DEF.match(line):
+        elif _width(line) < len(indent) or _def_match(line):
             break  # the enclosing header, or the previous definition
         else:
             return None  # a statement or a bracket: it could be part of a decorator
@@ -356,7 +372,7 @@ def definition_lines(path, qualname):
         name = qualname.rsplit(".", 1)[-1]
         width = _width(lines[0])
         for offset, line in enumerate(lines):
-            found = _DEF.match(line)
+            found = _def_match(line)
             if found and found.group(2) == name and len(found.group(1)) == width:
                 return first, first + offset
         return None

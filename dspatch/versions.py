@@ -9,9 +9,7 @@ pre-release with `prereleases=None`; `<V` and `>V` for the pre-, post- and dev-r
 module keeps the earlier ones, which the gates were written with (they ask about plain releases, and pass
 `prereleases=True` where a pre-release may come): one answer, whichever packaging a user has.
 """
-import re
-
-_VERSION = re.compile(r"""
+_PATTERN = r"""
     ^\s*v?
     (?:(?P<epoch>[0-9]+)!)?
     (?P<release>[0-9]+(?:\.[0-9]+)*)
@@ -19,8 +17,24 @@ _VERSION = re.compile(r"""
     (?:-(?P<post_n1>[0-9]+)|[-_.]?(?P<post_l>post|rev|r)[-_.]?(?P<post_n2>[0-9]+)?)?
     (?:[-_.]?(?P<dev_l>dev)[-_.]?(?P<dev_n>[0-9]+)?)?
     (?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?
-    \s*$""", re.VERBOSE | re.IGNORECASE)
+    \s*$"""
+_VERSION = None  # compiled on first use: plain releases (0.19.8, 2.13.0+cpu) are read without `re`
 _PRE = {"alpha": "a", "a": "a", "beta": "b", "b": "b", "preview": "rc", "pre": "rc", "c": "rc", "rc": "rc"}
+
+
+def _numbers(text, separator="."):
+    """The ints of `text` ("0.19.8") when it is only ASCII digits and separators, else None."""
+    parts = text.split(separator)
+    if all(part.isdigit() and part.isascii() for part in parts):
+        return tuple(int(part) for part in parts)
+    return None
+
+
+def _local_parts(text):
+    parts = text.replace("-", ".").replace("_", ".").split(".")
+    if all(part.isalnum() and part.isascii() for part in parts):
+        return tuple(int(p) if p.isdigit() else p.lower() for p in parts)
+    return None
 
 
 class InvalidVersion(ValueError):
@@ -33,7 +47,22 @@ class Version:
     __slots__ = ("epoch", "release", "pre", "post", "dev", "local", "_key")
 
     def __init__(self, text):
-        found = _VERSION.match(str(text))
+        text = str(text).strip()
+        public, plus, local = text.partition("+")
+        release, parts = _numbers(public), _local_parts(local) if plus else None
+        if release is not None and (parts is not None or not plus):  # the common case, without a regex
+            self.epoch, self.release, self.pre, self.post, self.dev, self.local = 0, release, None, None, None, parts
+        else:
+            self._parse(text)
+        self._key = self._sort_key()
+
+    def _parse(self, text):
+        global _VERSION
+        if _VERSION is None:
+            import re
+
+            _VERSION = re.compile(_PATTERN, re.VERBOSE | re.IGNORECASE)
+        found = _VERSION.match(text)
         if not found:
             raise InvalidVersion(f"not a PEP 440 version: {text!r}")
         self.epoch = int(found["epoch"] or 0)
@@ -42,9 +71,7 @@ class Version:
         post = found["post_n1"] or found["post_n2"] or ("0" if found["post_l"] else None)
         self.post = int(post) if post is not None else None
         self.dev = int(found["dev_n"] or 0) if found["dev_l"] else None
-        self.local = tuple(int(p) if p.isdigit() else p.lower() for p in re.split(r"[-_.]", found["local"])) \
-            if found["local"] else None
-        self._key = self._sort_key()
+        self.local = _local_parts(found["local"]) if found["local"] else None
 
     def _sort_key(self):
         release = list(self.release)
@@ -117,15 +144,16 @@ class Version:
         return self._key >= other._key
 
 
-_SPECIFIER = re.compile(r"^\s*(~=|==|!=|<=|>=|<|>)\s*([^\s,;]+)\s*$")
+_OPERATORS = ("~=", "==", "!=", "<=", ">=", "<", ">")
 
 
 class Specifier:
     def __init__(self, text):
-        found = _SPECIFIER.match(text)
-        if not found:
+        text = text.strip()
+        self.operator = next((op for op in _OPERATORS if text.startswith(op)), None)
+        self.version = text[len(self.operator or ""):].strip()
+        if self.operator is None or not self.version or any(c in self.version for c in " \t,;"):
             raise ValueError(f"not a version specifier dspatch reads: {text!r}")
-        self.operator, self.version = found.groups()
         self.wildcard = self.version.endswith(".*")
         if self.wildcard and self.operator not in ("==", "!="):
             raise ValueError(f"a wildcard goes with == or != only: {text!r}")
