@@ -132,8 +132,8 @@ def _window(lines, number):
 
 
 def _first(lines, where, pattern):
-    pattern = re.compile(pattern)
-    return next((n for n in where if pattern.search(lines[n])), None)
+    found = pattern if callable(pattern) else re.compile(pattern).search
+    return next((n for n in where if found(lines[n])), None)
 
 
 def log_versions(lines):

@@ -30,8 +30,9 @@ class Signature:
       text before the message must then be that name with its colon (qualified or not: `_pickle.UnpicklingError:`),
       and not a longer name that ends with it (`ModuleAttributeError:`), or nothing at all (a message pasted
       alone). None: the message alone decides.
-    - `needs`: regular expressions that must each match a line of the message's own traceback (its frames, the
-      lines of the message that follow), so that a message other failures also give names this bug only with them;
+    - `needs`: regular expressions (or functions of a line, for what a pattern cannot say) that must each match a
+      line of the message's own traceback (its frames, the lines of the message that follow), so that a message
+      other failures also give names this bug only with them;
       `context`: ones that must each match somewhere in the log (ranks interleave: the frames of one rank's
       traceback may follow another rank's message).
     - `hints`: regular expressions of which one, anywhere in the log, tells this cause from another with the same

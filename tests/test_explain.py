@@ -183,7 +183,7 @@ def test_every_signature_compiles():
         for signature in patch.signatures:
             assert isinstance(signature, Signature), (patch.id, signature)
             for pattern in (signature.message, *signature.needs, *signature.hints, *signature.unless):
-                re.compile(pattern)
+                assert callable(pattern) or re.compile(pattern)
 
 
 def test_active_when_dspatch_selects_it_here():
@@ -192,3 +192,16 @@ def test_active_when_dspatch_selects_it_here():
     assert explain.advice(patch, {"DSPATCH": "deepspeed/zero3-module-id"})[2] is False
     assert explain.advice(patch, {"DSPATCH": "bogus"})[2] is False
     assert explain.advice(patch, {})[2] is False
+
+
+def test_an_auto_prefetch_bucket_is_told_by_its_value():
+    """transformers' "auto" writes 0.9 * hidden_size**2 (a float with a fraction): that value alone names the bug;
+    another fractional value refused by pydantic (someone's own float config) does not."""
+    from dspatch.patches.transformers.deepspeed_prefetch_bucket_int import names_the_bucket
+
+    refused = "Input should be a valid integer, got a number with a fractional part [type=int_from_float, "
+    for hidden in (64, 896, 3072, 3584, 4096, 8192):
+        assert names_the_bucket(f"{refused}input_value={0.9 * hidden * hidden!r}, input_type=float]"), hidden
+    for value in ("275.2890625", "15099494.5", "0.5", "1843.2"):  # 1843.2: 0.9 * 2048, not a square's 0.9
+        assert not names_the_bucket(f"{refused}input_value={value}, input_type=float]"), value
+    assert names_the_bucket("  stage3_prefetch_bucket_size")

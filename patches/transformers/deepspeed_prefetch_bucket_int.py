@@ -19,6 +19,22 @@ FINGERPRINTS = {(DS_INTEGRATION, FINALIZE): {"a0acb0255963d2b8": "4.38.0-4.44.2"
 REFUSED = "Input should be a valid integer, got a number with a fractional part"
 
 
+def names_the_bucket(line):
+    """A line that names the field, or the value no other program writes there: transformers' "auto" bucket,
+    0.9 * hidden_size**2 with a fraction (15099494.4 for a hidden size of 4096), as pydantic shows it."""
+    import math
+    import re
+
+    if re.match(r"\s*stage3_prefetch_bucket_size\s*$", line):
+        return True
+    value = re.search(r"input_value=(\d+\.\d+)", line)
+    if value is None:
+        return False
+    value = float(value.group(1))
+    hidden = round(math.sqrt(value / 0.9))
+    return hidden >= 64 and math.isclose(0.9 * hidden * hidden, value, rel_tol=1e-12)
+
+
 def whole_bucket(definition):
     """Transform: `0.9 * hidden_size * hidden_size` -> `int(0.9 * hidden_size * hidden_size)`."""
     from dspatch.rewrite import expression, find_one, replace
@@ -47,7 +63,7 @@ PATCH = Patch(
     links=("https://github.com/deepspeedai/DeepSpeed/issues/6525", "https://github.com/huggingface/transformers/pull/33402"),
     diffs={">=4.38.0,<=4.44.2": "transformers/0004-deepspeed-prefetch-bucket-int-4.38.0-4.44.2.patch"},
     signatures=(Signature(r"Input should be a valid integer, got a number with a fractional part",
-                          needs=(r"^\s*stage3_prefetch_bucket_size\s*$",)),),
+                          needs=(names_the_bucket,)),),
     note=("HfTrainerDeepSpeedConfig.trainer_config_finalize keeps its object, name and line numbers but runs code "
           "rebuilt from the installed file that fills stage3_prefetch_bucket_size with an int"),
 )
