@@ -110,15 +110,15 @@ def _accumulation(stage):
     _same(two, plain, f"ZeRO-{stage} against the Trainer without DeepSpeed")
 
 
-def zero1_accumulation():
-    """ZeRO-1: gradient accumulation 2 gives the grad_norm of accumulation 1 at every step and the same weights
-    after 2 SGD steps, and both equal the Trainer without DeepSpeed."""
-    _accumulation(1)
-
-
 def zero2_accumulation():
-    """The same at ZeRO-2."""
+    """ZeRO-2: gradient accumulation 2 gives the grad_norm of accumulation 1 at every step and the same weights
+    after 2 SGD steps, and both equal the Trainer without DeepSpeed."""
     _accumulation(2)
+
+
+def zero1_accumulation():
+    """The same at ZeRO-1."""
+    _accumulation(1)
 
 
 def zero3_accumulation():
