@@ -175,6 +175,28 @@ def tiny_llama(head="LlamaForCausalLM", seed=0, **config):
     return getattr(transformers, head)(transformers.LlamaConfig(**shape))
 
 
+def lm_rows(count, length, seed=3):
+    """`count` causal-LM examples of `length` token ids drawn from 4-63 (labels = the ids), the same for a seed."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": ids, "labels": ids}
+            for ids in torch.randint(4, 64, (count, length), generator=generator).tolist()]
+
+
+def train_with_deepspeed(trainer, error, reword):
+    """trainer.train() of a Trainer that must run DeepSpeed (it is an error if it does not); `error` raised by
+    the training is raised as reword(it); accelerate's state is reset after, whatever happens."""
+    if not trainer.is_deepspeed_enabled:
+        raise AssertionError("the Trainer did not use DeepSpeed")
+    try:
+        trainer.train()
+    except error as e:
+        raise reword(e) from e
+    finally:
+        reset_accelerate()
+
+
 def word_tokenizer(vocab, folder=None, **special):
     """A fast tokenizer made in code (nothing from a hub): one token per whitespace-separated word of `vocab`
     (a list or {word: id}), `special` its special tokens (pad_token="<pad>", ...; padding_side too). Saved to

@@ -137,10 +137,9 @@ def trainer_losses(use_reentrant, steps=2):
     checkpointing with `use_reentrant`; the logged loss of every step."""
     import tempfile
 
-    import torch
     from torch.utils.checkpoint import CheckpointError
 
-    from dspatch.scenario import init_deepspeed, reset_accelerate, tiny_llama
+    from dspatch.scenario import init_deepspeed, lm_rows, reset_accelerate, tiny_llama, train_with_deepspeed
 
     init_deepspeed()
     from peft import LoraConfig, get_peft_model
@@ -164,18 +163,8 @@ def trainer_losses(use_reentrant, steps=2):
                                  dataloader_num_workers=0, seed=0, data_seed=0)
         model = get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         model.enable_input_require_grads()  # what peft/trl do for checkpointing (reentrant needs it)
-        generator = torch.Generator().manual_seed(3)
-        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(4, 64, (steps * 2, 16),
-                                                                           generator=generator).tolist()]
-        trainer = Trainer(model=model, args=args, train_dataset=data)
-        if not trainer.is_deepspeed_enabled:
-            raise AssertionError("the Trainer did not use DeepSpeed")
-        try:
-            trainer.train()
-        except CheckpointError as e:
-            raise _checkpoint_error(e) from e
-        finally:
-            reset_accelerate()
+        trainer = Trainer(model=model, args=args, train_dataset=lm_rows(steps * 2, 16))
+        train_with_deepspeed(trainer, CheckpointError, _checkpoint_error)
         import deepspeed
 
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

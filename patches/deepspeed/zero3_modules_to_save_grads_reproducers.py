@@ -69,9 +69,7 @@ def trainer_run(wrapped):
     (`wrapped`) or directly; ZeRO-3, no gradient clipping (the same update whatever order the norm is summed in)."""
     import tempfile
 
-    import torch
-
-    from dspatch.scenario import init_deepspeed, reset_accelerate, tiny_llama
+    from dspatch.scenario import init_deepspeed, lm_rows, reset_accelerate, tiny_llama, train_with_deepspeed
 
     init_deepspeed()
     from transformers import Trainer, TrainingArguments
@@ -83,18 +81,8 @@ def trainer_run(wrapped):
                                  max_grad_norm=0.0, lr_scheduler_type="constant", dataloader_num_workers=0, seed=0,
                                  data_seed=0)
         model = _lora(tiny_llama(), "lm_head", wrapped)
-        generator = torch.Generator().manual_seed(3)
-        data = [{"input_ids": ids, "labels": ids}
-                for ids in torch.randint(4, 64, (STEPS * 2, 16), generator=generator).tolist()]
-        trainer = Trainer(model=model, args=args, train_dataset=data)
-        if not trainer.is_deepspeed_enabled:
-            raise AssertionError("the Trainer did not use DeepSpeed")
-        try:
-            trainer.train()
-        except AttributeError as e:
-            raise _missing(e) from e
-        finally:
-            reset_accelerate()
+        trainer = Trainer(model=model, args=args, train_dataset=lm_rows(STEPS * 2, 16))
+        train_with_deepspeed(trainer, AttributeError, _missing)
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], _trained(model)
 
 

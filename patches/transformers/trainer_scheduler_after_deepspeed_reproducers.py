@@ -41,11 +41,9 @@ def _model(freeze_norms):
 
 
 def _data():
-    import torch
+    from dspatch.scenario import lm_rows
 
-    generator = torch.Generator().manual_seed(3)
-    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(4, 64, (STEPS * 2, 8),
-                                                                       generator=generator).tolist()]
+    return lm_rows(STEPS * 2, 8)
 
 
 def ds_config(optimizer=False, scheduler=False):
