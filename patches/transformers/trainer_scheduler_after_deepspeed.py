@@ -96,9 +96,8 @@ def scheduler_after_prepare(definition):
 def prepare_model_51(definition):
     """Trainer._inner_training_loop (5.1.0): under DeepSpeed without a DummyScheduler, prepare(model, optimizer)."""
     import ast
-    import copy
 
-    from dspatch.rewrite import RewriteError, find_one, matches
+    from dspatch.rewrite import RewriteError, copy_tree, find_one, matches
 
     def checks_type(node):
         return isinstance(node, ast.If) and matches(node.test, "isinstance(...)")
@@ -110,7 +109,7 @@ def prepare_model_51(definition):
     plain = outer.orelse
     if inner.orelse or len(plain) != 1 or not matches(plain[0], "_ = _.prepare(...)"):
         raise RewriteError(f"{definition.name}: not 5.1.0's DeepSpeed prepare branch")
-    inner.orelse = [copy.deepcopy(plain[0])]
+    inner.orelse = [copy_tree(plain[0])]
 
 
 def transform_trainer(definition):
