@@ -20,10 +20,17 @@ def main():
     where = f"deepspeed {deepspeed.__version__}, dspatch: {dspatch._runtime.applied_ids() or 'not active'}"
     rank = os.environ.get("RANK", "0")
     if now == placed:
-        print(f"rank {rank}: expert ids kept {now} ({where})")
+        say(f"rank {rank}: expert ids kept {now} ({where})")
         return 0
-    print(f"rank {rank}: BUG: expert ids {placed} became {now} ({where})")
+    say(f"rank {rank}: BUG: expert ids {placed} became {now} ({where})")
     return 1 if "--require-fixed" in sys.argv else 0
+
+
+def say(line):
+    """One write of the whole line: the ranks share the launcher's pipe, and print's two writes (text, then
+    newline) from two ranks can interleave into one line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
