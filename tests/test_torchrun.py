@@ -6,17 +6,22 @@ import socket
 
 import pytest
 
-from conftest import ROOT, clean_env, run_python
+from conftest import ROOT, clean_env, run_python, run_ranks
 
 pytestmark = pytest.mark.stack
 
 
-def _torchrun(out, env):
+def _launch(script):
+    """torchrun's arguments for 2 local processes of `script`, on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run_python(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                "--master_port", str(port), os.path.join(ROOT, "tests", "train_zero3.py"), str(out)], env=env)
+    return ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+            str(port), script]
+
+
+def _torchrun(out, env):
+    run_python([*_launch(os.path.join(ROOT, "tests", "train_zero3.py")), str(out)], env=env)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
@@ -37,3 +42,25 @@ def test_two_ranks_patched_equal_stock_bit_for_bit(tmp_path):
     assert stock[0]["losses"] != stock[1]["losses"]  # ranks saw different data: two real processes
     if "deepspeed/zero3-module-id" in expected:
         assert patched[0]["module_ids"] == ["NoneType"] and stock[0]["module_ids"] == ["int"]
+
+
+def test_the_main_job(tmp_path):
+    """The README's main command runs examples/zero3_expert_ids.py under torchrun (nox -s demo): stock, both
+    ranks lose their experts' ids; with DSPATCH=1 both keep them (and --require-fixed makes that the exit code)."""
+    from dspatch import gating, registry
+
+    if gating.evaluate(registry.all_patches()["deepspeed/zero3-module-id"])[1] != gating.APPLIES:
+        pytest.skip("the main job shows deepspeed/zero3-module-id, which does not apply to this stack")
+
+    def job(env, *args):
+        proc = run_ranks([*_launch(os.path.join(ROOT, "examples", "zero3_expert_ids.py")), *args], env,
+                         tmp_path / "unused")
+        return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+
+    stock = job(clean_env())
+    assert [line[:10] for line in stock] == ["rank 0: BU", "rank 1: BU"], stock
+    assert all("dspatch: not active" in line for line in stock), stock
+    patched = job(clean_env(DSPATCH="1"), "--require-fixed")
+    assert [line.split(" (")[0] for line in patched] == [f"rank {r}: expert ids kept [0, 1, 2, 3]" for r in (0, 1)], \
+        patched
+    assert all("deepspeed/zero3-module-id" in line for line in patched), patched
