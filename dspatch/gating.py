@@ -234,8 +234,10 @@ def _quick_segment(lines, qualname, index=None, ends=None):
             first = i
         elif _width(line) < len(indent) or _def_match(line):
             break  # the enclosing header, or the previous definition
+        elif _decorator_above(lines, i, indent):
+            return None  # a statement or a bracket that could be part of a decorator
         else:
-            return None  # a statement or a bracket: it could be part of a decorator
+            break  # a statement: no decorator starts above it before the previous definition
     try:  # an indented definition parses as the body of `if 1:`
         tree = ast.parse(("if 1:\n" if indent else "") + "\n".join(lines[first:hi]) + "\n")
     except (SyntaxError, ValueError):
@@ -247,6 +249,38 @@ def _quick_segment(lines, qualname, index=None, ends=None):
     node, shift = body[0], (1 if indent else 0)
     node_first = first_line(node) - shift
     return first + node_first, lines[first + node_first - 1:first + node.end_lineno - shift]
+
+
+def _decorator_above(lines, i, indent):
+    """Whether a line at `indent` that starts with '@' stands above line i, below the previous definition or
+    the enclosing header: only then can the lines between be a decorator's (a decorator starts with '@')."""
+    for j in range(i, -1, -1):
+        line = lines[j]
+        if not _meaningful(line) or _width(line) > len(indent):
+            continue
+        if _width(line) < len(indent):
+            return False  # the enclosing header
+        if line.lstrip().startswith("@"):
+            return True
+        if _def_match(line):
+            return False  # the previous definition: any '@' above it is its own
+    return False
+
+
+def own_definition(path, qualname):
+    """A new AST node of a definition (the caller's to change), with the file's own line numbers and columns,
+    parsed from the definition's lines alone where they tell for sure (see _quick_segment); None otherwise
+    (then copy the whole file's node)."""
+    import ast
+
+    _, lines, index, ends = _lines(path)
+    quick = _quick_segment(lines, qualname, index, ends)
+    if quick is None:
+        return None
+    first, segment = quick
+    if segment[0][:1] in (" ", "\t"):  # an indented definition parses as the body of `if 1:`, a line above
+        return ast.parse("\n" * (first - 2) + "if 1:\n" + "\n".join(segment) + "\n", path).body[0].body[0]
+    return ast.parse("\n" * (first - 1) + "\n".join(segment) + "\n", path).body[0]
 
 
 def first_line(node):

@@ -56,7 +56,8 @@ def rebuild(target, transform, original, decorators=True):
     (deepspeed's `count=[0]`) are the original's own objects, shared, not reset."""
     module = sys.modules[target.module]
     # a copy of the definition's node from the installed file: line numbers, strings and columns as upstream's
-    definition = copy_tree(gating.definition(module.__file__, target.qualname))
+    definition = gating.own_definition(module.__file__, target.qualname) or \
+        copy_tree(gating.definition(module.__file__, target.qualname))
     *classes, name = target.qualname.split(".")
     flags = sum(f.compiler_flag for f in vars(module).values() if isinstance(f, __future__._Feature))
     _refuse_class_scope_names(module.__file__, classes, definition, flags)
@@ -101,6 +102,15 @@ def _refuse_class_scope_names(path, classes, definition, flags):
     in the copy: refuse a definition whose expressions name something the class body binds."""
     if not classes:
         return
+    args = definition.args
+    evaluated = [*definition.decorator_list, *args.defaults, *[d for d in args.kw_defaults if d is not None]]
+    if not flags & __future__.annotations.compiler_flag:
+        evaluated += [a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
+                                             args.kwarg) if a is not None and a.annotation is not None]
+        evaluated += [definition.returns] if definition.returns is not None else []
+    names = {n.id for expr in evaluated for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    if not names:
+        return  # nothing to look up in the class body (which would mean parsing it)
     owner = gating.definition(path, ".".join(classes))
     bound = set()
     for node in owner.body:
@@ -111,13 +121,7 @@ def _refuse_class_scope_names(path, classes, definition, flags):
                 bound |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    args = definition.args
-    evaluated = [*definition.decorator_list, *args.defaults, *[d for d in args.kw_defaults if d is not None]]
-    if not flags & __future__.annotations.compiler_flag:
-        evaluated += [a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg,
-                                             args.kwarg) if a is not None and a.annotation is not None]
-        evaluated += [definition.returns] if definition.returns is not None else []
-    used = {n.id for expr in evaluated for n in ast.walk(expr) if isinstance(n, ast.Name)} & bound
+    used = names & bound
     if used:
         raise RewriteError(f"{'.'.join(classes)}.{definition.name}: its decorators/defaults use class-body "
                            f"names {sorted(used)}, which a rebuilt copy cannot see")

@@ -159,6 +159,10 @@ def definitions_found_alike(folders, recursive=True):
                     expected = (first, lines[first - 1:node.end_lineno])
                     got = gating._quick_segment(lines, qualname, index, ends)
                     assert got in (None, expected), (path, qualname, got and got[0], expected[0])
+                    if got is not None:  # and the node parsed from those lines alone is the whole file's
+                        own = gating.own_definition(path, qualname)
+                        assert ast.dump(own, include_attributes=True) == ast.dump(node, include_attributes=True), \
+                            (path, qualname)
                     quick += got is not None
                     total += 1
     return quick, total
@@ -193,6 +197,27 @@ def test_quick_definition_lookup_gives_up_where_lines_do_not_tell(tmp_path):
     assert gating._quick_segment(lines, "k") is None  # '1)' above could be a decorator's: parsed whole instead
     assert gating.source_segment(str(path), "k") == (18, ["@deco(", "1)", "def k():", "    pass"])
     assert gating._quick_segment(lines, "nope") is None and gating.source_segment(str(path), "nope") is None
+
+
+def test_quick_definition_lookup_past_statements_with_no_decorator_above(tmp_path):
+    """A statement right above a definition is no decorator's unless a line starting with '@' stands above it
+    (below the previous definition): then the definition's own lines tell."""
+    path = tmp_path / "m.py"
+    path.write_text("import x\ndist = None\n\ndef m():\n    return 3\n\n"
+                    "class B:\n    @property\n    def p(self):\n        return 1\n    z = (\n        2\n    )\n\n"
+                    "    def q(self):\n        return 2\n\n"
+                    "    @x.deco(\n        1,\n    )\n    def r(self):\n        return 3\n")
+    lines = gating._lines(str(path))[1]
+    assert gating._quick_segment(lines, "m") == (4, ["def m():", "    return 3"])
+    assert gating._quick_segment(lines, "B.q") == (15, ["    def q(self):", "        return 2"])
+    assert gating._quick_segment(lines, "B.r") is None  # ')' above, and '@x.deco(' above it
+    assert gating.source_segment(str(path), "B.r")[0] == 18
+    for qualname, line in (("m", 4), ("B.q", 15), ("B.p", 9)):
+        tree = ast.parse(path.read_text())
+        assert ast.dump(gating.own_definition(str(path), qualname), include_attributes=True) == \
+            ast.dump(gating.find_definition(tree, qualname), include_attributes=True)
+        assert gating.own_definition(str(path), qualname).lineno == line
+    assert gating.own_definition(str(path), "B.r") is None
 
 
 def test_readme_patch_table_is_generated_from_the_registry():

@@ -144,7 +144,8 @@ def apply(txn):
     import sys
 
     trainer, optim_sched = txn.target(TRAINER[1]), txn.target(OPTIM_SCHED[1])
-    node = gating.definition(sys.modules[OPTIM_SCHED[0]].__file__, OPTIM_SCHED[1])
+    path = sys.modules[OPTIM_SCHED[0]].__file__
+    node = gating.own_definition(path, OPTIM_SCHED[1]) or gating.definition(path, OPTIM_SCHED[1])
     if builds_scheduler_before_prepare(node):  # < 5.1.0 (5.1.0's builds none: left as it is)
         txn.recode(optim_sched, no_scheduler_on_the_raw_optimizer)
     txn.recode(trainer, transform_trainer)
