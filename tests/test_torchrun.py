@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from conftest import ROOT, clean_env, run_python, run_ranks
+from conftest import ROOT, STACK, clean_env, run_python, run_ranks
 
 pytestmark = pytest.mark.stack
 
@@ -47,10 +47,8 @@ def test_two_ranks_patched_equal_stock_bit_for_bit(tmp_path):
 def test_the_main_job(tmp_path):
     """The README's main command runs examples/zero3_expert_ids.py under torchrun (nox -s demo): stock, both
     ranks lose their experts' ids; with DSPATCH=1 both keep them (and --require-fixed makes that the exit code)."""
-    from dspatch import gating, registry
-
-    if gating.evaluate(registry.all_patches()["deepspeed/zero3-module-id"])[1] != gating.APPLIES:
-        pytest.skip("the main job shows deepspeed/zero3-module-id, which does not apply to this stack")
+    if STACK != "old":  # two more ranks beside the other sessions' 2-rank tests: only where nox -s demo runs it
+        pytest.skip("the main job runs on the old stack (nox -s demo)")
 
     def job(env, *args):
         proc = run_ranks([*_launch(os.path.join(ROOT, "examples", "zero3_expert_ids.py")), *args], env,

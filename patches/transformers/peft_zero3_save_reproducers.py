@@ -130,6 +130,7 @@ def _reference(trainer):
     PEFT's file names (no adapter name)."""
     import deepspeed
 
+    trainer.deepspeed.empty_partition_cache()  # a parameter left gathered, or in flight, is read from the partitions
     named = [(n, p) for n, p in trainer.deepspeed.module.named_parameters() if p.requires_grad]
     with deepspeed.zero.GatheredParameters([p for _, p in named]):
         return {n.replace(".default.", "."): p.detach().clone() for n, p in named}
