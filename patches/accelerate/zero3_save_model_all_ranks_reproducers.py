@@ -31,6 +31,7 @@ def _job(folder):
     engine, _ = accelerator.prepare(model, DummyOptim(model.parameters()))
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(accelerator.process_index))
     accelerator.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.empty_partition_cache()  # a prefetch still in flight would be read before it arrives (GatheredParameters)
     params = dict(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters(list(params.values())):  # a collective: every rank
         trained = {name: p.detach().clone() for name, p in params.items()}
