@@ -207,6 +207,13 @@ def _block_end(lines, start, ends):
 
 def _quick_segment(lines, qualname, index=None, ends=None):
     """(first line number, lines) of a definition, or None when its lines alone do not tell for sure."""
+    node = _quick_node(lines, qualname, index, ends)
+    return None if node is None else (first_line(node), lines[first_line(node) - 1:node.end_lineno])
+
+
+def _quick_node(lines, qualname, index=None, ends=None):
+    """A definition's AST node parsed from its own lines, with the file's line numbers and columns (a new one at
+    each call), or None when its lines alone do not tell for sure."""
     import ast
 
     index = _index(lines) if index is None else index
@@ -238,17 +245,18 @@ def _quick_segment(lines, qualname, index=None, ends=None):
             return None  # a statement or a bracket that could be part of a decorator
         else:
             break  # a statement: no decorator starts above it before the previous definition
-    try:  # an indented definition parses as the body of `if 1:`
-        tree = ast.parse(("if 1:\n" if indent else "") + "\n".join(lines[first:hi]) + "\n")
+    # blank lines first, so that the file's line numbers come out; an indented definition parses as the body of
+    # `if 1:`, on the line above it (a class header stands there)
+    head = "\n" * (first - 1) + "if 1:\n" if indent else "\n" * first
+    try:
+        tree = ast.parse(head + "\n".join(lines[first:hi]) + "\n")
     except (SyntaxError, ValueError):
         return None
     body = tree.body[0].body if indent else tree.body
     if len(tree.body) != 1 or len(body) != 1 or getattr(body[0], "name", None) != parts[-1] \
             or not isinstance(body[0], (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
-    node, shift = body[0], (1 if indent else 0)
-    node_first = first_line(node) - shift
-    return first + node_first, lines[first + node_first - 1:first + node.end_lineno - shift]
+    return body[0]
 
 
 def _decorator_above(lines, i, indent):
@@ -271,16 +279,8 @@ def own_definition(path, qualname):
     """A new AST node of a definition (the caller's to change), with the file's own line numbers and columns,
     parsed from the definition's lines alone where they tell for sure (see _quick_segment); None otherwise
     (then copy the whole file's node)."""
-    import ast
-
     _, lines, index, ends = _lines(path)
-    quick = _quick_segment(lines, qualname, index, ends)
-    if quick is None:
-        return None
-    first, segment = quick
-    if segment[0][:1] in (" ", "\t"):  # an indented definition parses as the body of `if 1:`, a line above
-        return ast.parse("\n" * (first - 2) + "if 1:\n" + "\n".join(segment) + "\n", path).body[0].body[0]
-    return ast.parse("\n" * (first - 1) + "\n".join(segment) + "\n", path).body[0]
+    return _quick_node(lines, qualname, index, ends)
 
 
 def first_line(node):
@@ -432,8 +432,6 @@ class Row:
 def _source_mismatch(patch, locate, version=None):
     """None when every target's source (of release `version`'s targets) is a released one the patch knows; else
     why not."""
-    import tokenize
-
     targets = patch.targets_for(version)
     if not targets:
         return f"no code of {patch.distribution} {version} is known to this patch (none of its targets' releases)"
@@ -443,7 +441,11 @@ def _source_mismatch(patch, locate, version=None):
             return f"{target.module} not found in the installed {patch.distribution}"
         try:
             found = fingerprint(path, target.qualname)
-        except (OSError, SyntaxError, UnicodeDecodeError, tokenize.TokenError) as e:
+        except Exception as e:
+            import tokenize  # only here: a warm --check imports neither it nor the re it loads
+
+            if not isinstance(e, (OSError, SyntaxError, UnicodeDecodeError, tokenize.TokenError)):
+                raise
             return f"cannot read {path}: {e}"
         if found is None:
             return f"{target} is missing from {path}"
