@@ -184,6 +184,20 @@ def lm_rows(count, length, seed=3):
             for ids in torch.randint(4, 64, (count, length), generator=generator).tolist()]
 
 
+def gathered_whole(named):
+    """{name: a copy of the whole tensor} for (name, parameter) pairs of a model, gathered from the ZeRO-3
+    partitions (a collective: every rank) one parameter at a time, so that it does not depend on the very bug
+    deepspeed/zero3-gather-waits-all fixes: a gather of several at once returns early on gloo before 0.19.8.
+    Parameters that are not ZeRO-3's are copied as they are."""
+    import deepspeed
+
+    whole = {}
+    for name, param in named:
+        with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+            whole[name] = param.detach().clone()
+    return whole
+
+
 def train_with_deepspeed(trainer, error, reword):
     """trainer.train() of a Trainer that must run DeepSpeed (it is an error if it does not); `error` raised by
     the training is raised as reword(it); accelerate's state is reset after, whatever happens."""

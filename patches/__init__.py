@@ -25,4 +25,5 @@ MODULES = (
     "accelerate.zero3_save_model_all_ranks",
     "trl.grpo_reward_model_zero3",
     "deepspeed.zero_to_fp32_tied_weights",
+    "deepspeed.zero3_gather_waits_all",
 )

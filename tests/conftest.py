@@ -49,6 +49,18 @@ def clean_env(**extra):
     return env
 
 
+GATHER_FIX = "deepspeed/zero3-gather-waits-all"
+
+
+def with_gather_fix(pid):
+    """`pid`, and deepspeed/zero3-gather-waits-all where it applies: ranks on the CPU (gloo) gather several ZeRO-3
+    parameters at once reliably only with it (deepspeed < 0.19.8), as DSPATCH=1 gives them. For multi-rank jobs
+    whose patch gathers several parameters at once."""
+    from dspatch import gating, registry
+
+    return [pid] + ([GATHER_FIX] if gating.evaluate(registry.all_patches()[GATHER_FIX])[1] == gating.APPLIES else [])
+
+
 def run_python(args, env=None, check=True, timeout=900, cwd=None, input=None, warm=False):
     """Run this interpreter in a neutral directory, so that it uses dspatch as installed, not the checkout.
 

@@ -16,7 +16,7 @@ import pytest
 
 from dspatch import gating, registry
 
-from conftest import clean_env, run_python, STACK, verify, verify_log
+from conftest import clean_env, run_python, STACK, verify, verify_log, with_gather_fix
 
 pytestmark = pytest.mark.stack
 
@@ -102,17 +102,19 @@ def _accelerate_runs_two_cpu_ranks():
 def test_two_ranks_gather_together_and_only_main_writes():
     """torchrun, 2 processes, DSPATCH: the adapter reproducers pass on both ranks: the adapter gathered from both
     ranks' partitions (a gather one rank skipped would hang, and the timeout fails the test), rank 0 called
-    Trainer._save once per save and rank 1 never, no frozen weight gathered on either rank."""
+    Trainer._save once per save and rank 1 never, no frozen weight gathered on either rank. The patch's save
+    gathers the adapter's parameters at once: deepspeed/zero3-gather-waits-all makes that reliable on gloo."""
+    ids = with_gather_fix(PID)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = run_python(["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                        "--master_port", str(port), "-m", "dspatch.verify", PID, "--only", "peft_save_partitioned",
-                       "--only", "peft_save_persistent"], env=clean_env(DSPATCH=PID), timeout=400)
+                       "--only", "peft_save_persistent"], env=clean_env(DSPATCH=",".join(ids)), timeout=400)
     outcomes = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"applied"')]
     assert len(outcomes) == 2, proc.stdout[-3000:]
     for outcome in outcomes:
-        assert outcome["applied"] == [PID], outcome
+        assert sorted(outcome["applied"]) == sorted(ids), outcome
         assert outcome["results"] == {"peft_save_partitioned": "ok", "peft_save_persistent": "ok"}, outcome
 
 

@@ -45,6 +45,7 @@ CHECKED = {
     "accelerate/zero3-save-model-all-ranks": ("0.20.0", "1.2.0"),
     "trl/grpo-reward-model-zero3": ("0.13.0", "0.17.0"),
     "deepspeed/zero-to-fp32-tied-weights": ("0.14.0", "0.19.8"),
+    "deepspeed/zero3-gather-waits-all": ("0.14.0", "0.19.8"),
 }
 # For a patch that `requires` another package: versions of it with the bug's need and without.
 OTHERS = {

@@ -15,7 +15,7 @@ def _job(folder):
 
     import torch
 
-    from dspatch.scenario import finish_rank, init_deepspeed, tiny_llama
+    from dspatch.scenario import finish_rank, gathered_whole, init_deepspeed, tiny_llama
 
     deepspeed = init_deepspeed()
     deepspeed.utils.logger.setLevel(logging.WARNING)
@@ -32,9 +32,7 @@ def _job(folder):
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(accelerator.process_index))
     accelerator.backward(engine(input_ids=ids, labels=ids).loss)
     engine.empty_partition_cache()  # a prefetch still in flight would be read before it arrives (GatheredParameters)
-    params = dict(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters(list(params.values())):  # a collective: every rank
-        trained = {name: p.detach().clone() for name, p in params.items()}
+    trained = gathered_whole(engine.module.named_parameters())  # a collective: every rank
     out = os.path.join(folder, "saved")
     result = {"rank": accelerator.process_index, "world": accelerator.num_processes}
     try:

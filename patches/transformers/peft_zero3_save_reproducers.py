@@ -128,12 +128,11 @@ def _train(folder, peft=True, gather=False, persistence=0, save_steps=2):
 def _reference(trainer):
     """The trained adapter: its parameters gathered from the ZeRO-3 partitions (every rank takes part), with
     PEFT's file names (no adapter name)."""
-    import deepspeed
+    from dspatch.scenario import gathered_whole
 
     trainer.deepspeed.empty_partition_cache()  # a parameter left gathered, or in flight, is read from the partitions
     named = [(n, p) for n, p in trainer.deepspeed.module.named_parameters() if p.requires_grad]
-    with deepspeed.zero.GatheredParameters([p for _, p in named]):
-        return {n.replace(".default.", "."): p.detach().clone() for n, p in named}
+    return {n.replace(".default.", "."): p for n, p in gathered_whole(named).items()}
 
 
 def _barrier():

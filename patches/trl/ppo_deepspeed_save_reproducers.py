@@ -112,11 +112,9 @@ def _past_generation_hooks_bug():
 
 def gathered_policy(module):
     """{name: full tensor} of the policy inside PolicyAndValueWrapper `module` (a collective at ZeRO-3)."""
-    import deepspeed
+    from dspatch.scenario import gathered_whole
 
-    params = list(module.policy.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
-        return {name: p.detach().clone() for name, p in module.policy.named_parameters()}
+    return gathered_whole(module.policy.named_parameters())
 
 
 def trainer_for(stage, work, output_dir, save_steps=None, deepspeed=True, world=1):
