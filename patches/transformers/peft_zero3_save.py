@@ -80,7 +80,8 @@ def state_dict_for_save(trainer):
     """What the patched `Trainer.save_model` uses as the state dict of its DeepSpeed branch."""
     if _needs_trainable_gather(trainer):
         # settle ZeRO-3's gathers first: GatheredParameters gathers only what is not available, so a parameter
-        # whose prefetch is still in flight would be read before it arrives (seen under load, 2 ranks)
+        # whose prefetch is still in flight would be read before it arrives (a precaution: the 2-rank flake once
+        # blamed on this was deepspeed/zero3-gather-waits-all)
         trainer.deepspeed.empty_partition_cache()
         return trainable_state_dict(trainer.deepspeed.module, keep=trainer.args.should_save)
     return trainer.accelerator.get_state_dict(trainer.deepspeed)
