@@ -12,7 +12,8 @@ over lines (or under an empty `SomeError:` line) is read joined.
 
 A wrong name sends a user to a fix for a bug they do not have, so a name is given only when the log decides it:
 where two known bugs give the same message and the log's frames and versions cannot tell them apart, both are
-listed as candidates, with what to look at, and neither is asserted. Each verdict says how sure it is and why:
+listed as candidates, with what to look at, and neither is asserted; so is a bug whose lines a failure that no
+patch fixes also writes, unless a line of the log points to the bug. Each verdict says how sure it is and why:
 the line that matched, the lines that decided, and the versions taken into account (printed in the log, or, to
 choose between candidates only, those of this environment).
 
@@ -259,8 +260,8 @@ def _decide(lines, candidates, printed):
 
 def find(lines, patches):
     """(named, undecided, set aside): named, one dict per bug the log decides ({patch, line, text, confidence,
-    why, versions}); undecided, one per message that two known bugs give and the log cannot tell apart
-    ({patches, line, text, why, tell}); set aside, the bugs whose message the log shows but that the versions
+    why, versions}); undecided, one per message that two known bugs (or a known bug and a failure no patch fixes,
+    `Signature.also`) give and the log cannot tell apart ({patches, line, text, why, tell, also}); set aside, the bugs whose message the log shows but that the versions
     installed here do not have ({patch, line, text, reason})."""
     printed = log_versions(lines)
     named, undecided, aside = [], [], []
@@ -271,10 +272,13 @@ def find(lines, patches):
             aside += [{"patch": c["patch"], "line": number + 1, "text": c["text"],
                        "reason": _outside(c["patch"], here)} for c in ruled_out]
             continue
-        if len(standing) > 1:
+        # a failure no patch fixes writes the same lines: only a hint decides (a choice between known bugs that
+        # the versions settled is no decision against it)
+        also = [c["signature"].also for c in standing if c["signature"].also]
+        if len(standing) > 1 or (also and standing[0]["hint"] is None):
             undecided.append({"patches": [c["patch"] for c in standing], "line": number + 1,
                               "text": standing[0]["text"], "why": how, "versions": used,
-                              "tell": {c["patch"].id: c["signature"].tell for c in standing}})
+                              "tell": {c["patch"].id: c["signature"].tell for c in standing}, "also": also})
             continue
         (hit,) = standing
         why = [f"line {n + 1}: {lines[n].strip()[:160]}" for n in hit["evidence"]] + how
@@ -343,7 +347,7 @@ def explain(text, patches=None, environ=None):
              "confidence": item["confidence"], "why": item["why"], "versions": item["versions"]}
             for item in named]
     choices = [{"ids": [p.id for p in item["patches"]], "line": item["line"], "text": item["text"],
-                "why": item["why"], "versions": item["versions"],
+                "why": item["why"], "versions": item["versions"], "also": item["also"],
                 "candidates": [{**_entry(p, environ), "tell": item["tell"][p.id]} for p in item["patches"]]}
                for item in undecided]
     set_aside = [{**_entry(item["patch"], environ), "line": item["line"], "text": item["text"],
@@ -373,8 +377,9 @@ def _print(bugs, choices, aside, count, source):
         print(f"  here: {item['verdict']} ({item['reason']}){'; active' if item['active'] else ''}")
         print(f"  do: {item['do']}")
     for item in choices:
-        print(f"line {item['line']} shows one of {len(item['ids'])} known bugs, and the log does not say which: "
-              f"{item['text'][:200]}")
+        known = f"one of {len(item['ids'])} known bugs" if len(item["ids"]) > 1 else "a known bug"
+        print(f"line {item['line']} shows {known}{', or a failure no patch fixes,' if item['also'] else ''} and the "
+              f"log does not say which: {item['text'][:200]}")
         for why in item["why"]:
             print(f"  ({why})")
         for candidate in item["candidates"]:
@@ -382,6 +387,8 @@ def _print(bugs, choices, aside, count, source):
             if candidate["tell"]:
                 print(f"    it is this one if {candidate['tell']}")
             print(f"    here: {candidate['verdict']} ({candidate['reason']}); do: {candidate['do']}")
+        for other in item["also"]:
+            print(f"  - or, with no dspatch fix: {other}")
     for item in aside:
         print(f"line {item['line']} has the message of {item['id']}, which this environment does not have: "
               f"{item['ruled_out']}. If the log came from another machine, check its versions there.")

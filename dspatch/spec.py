@@ -41,9 +41,12 @@ class Signature:
     - `generic`: the message is one another patch's more specific message also matches (an attribute missing
       on the engine); on the same line the specific one is named and this one is not.
     - `tell`: for a reader whose log cannot tell this cause from another with the same message: what to look at.
+    - `also`: a failure that no patch fixes and that writes these very lines (versions aside): the log then names
+      this bug only where one of its `hints` is there; otherwise it is offered, with `also` said beside it.
     """
 
-    def __init__(self, message, error=None, needs=(), context=(), hints=(), unless=(), generic=False, tell=""):
+    def __init__(self, message, error=None, needs=(), context=(), hints=(), unless=(), generic=False, tell="",
+                 also=""):
         self.message = message
         self.error = error
         self.needs = tuple(needs)
@@ -52,6 +55,7 @@ class Signature:
         self.unless = tuple(unless)
         self.generic = generic
         self.tell = tell
+        self.also = also
 
     def __repr__(self):
         return f"Signature({self.error + ': ' if self.error else ''}{self.message!r})"

@@ -124,9 +124,30 @@ def test_a_choice_is_printed_with_how_to_tell():
             "IndexError: pop from an empty deque\n")
     proc = _run(text)  # the unit session has no deepspeed: this machine cannot choose either
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("line 2 shows one of 2 known bugs, and the log does not say which"), proc.stdout
+    assert proc.stdout.startswith("line 2 shows one of 2 known bugs, or a failure no patch fixes, and the log does "
+                                  "not say which"), proc.stdout
     assert "deepspeed/zero3-module-id" in proc.stdout and "deepspeed/zero3-trace-invalidation" in proc.stdout
     assert proc.stdout.count("it is this one if") == 2
+    assert "- or, with no dspatch fix: trl 0.8.2-0.8.6's unwrap_model_for_generation" in proc.stdout
+
+
+def test_a_bug_whose_lines_another_failure_writes_is_named_only_on_its_hint(monkeypatch):
+    also = "an old trl took the hooks off too early"
+    old = Fake("old", Signature("pop from an empty deque", error="IndexError", also=also), affected="<=0.16.3")
+    new = Fake("new", Signature("pop from an empty deque", error="IndexError", hints=("unwrap_model_for_gen",)),
+               affected=">=0.15.4,<0.19.2")
+    error = "IndexError: pop from an empty deque"
+    monkeypatch.setattr(explain, "_environment_versions", lambda names: {})
+    assert _found(error, old) == ([], [["old"]])  # alone: offered, not named
+    assert _found(f"deepspeed==0.14.4\n{error}", old, new) == ([], [["old"]])  # versions leave it: still offered
+    _, undecided, _ = explain.find(explain.clean_lines(f"deepspeed==0.14.4\n{error}"), [old, new])
+    assert undecided[0]["also"] == [also]
+    assert _found(f"deepspeed==0.17.0\n{error}", old, new) == (["new"], [])  # the other one, without `also`
+    assert _found(f"in unwrap_model_for_generation\n{error}", new, old) == (["new"], [])  # a hint decides
+    hinted = Fake("hinted", Signature("pop from an empty deque", error="IndexError", hints=("my_id",), also=also))
+    assert _found(f"my_id = 3\n{error}", hinted) == (["hinted"], [])
+    monkeypatch.setattr(explain, "_environment_versions", lambda names: {"deepspeed": "0.14.4"})
+    assert _found(error, old, new) == ([], [["old"]])  # this machine's versions do not decide against it either
 
 
 def test_the_log_names_the_bug_and_says_what_to_do():

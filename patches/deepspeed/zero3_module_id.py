@@ -120,7 +120,12 @@ PATCH = Patch(
     signatures=(Signature(r"pop from an empty deque", error="IndexError", context=(COORDINATOR_FRAME,),
                           unless=(r"\bds_id\b",),
                           tell="the model's modules have an attribute `id` of their own (deepspeed <= 0.16.3), "
-                               "and nothing removed and re-registered ZeRO-3's hooks (no generation) before it"),),
+                               "and nothing removed and re-registered ZeRO-3's hooks (no generation) before it",
+                          # the real logs of this deque on deepspeed <= 0.15.3 (trl#1543, trl#1618) are trl's, and
+                          # nothing in a traceback shows a model's own `id`: never named, only offered
+                          also="trl 0.8.2-0.8.6's unwrap_model_for_generation (PPO's generation, or the context "
+                               "manager used in another trainer) took ZeRO-3's hooks off with parameters still "
+                               "in use; trl 0.9.2 clears them first (trl PR 1617)"),),
     in_use=zero3_engines_alive,
     fixed_marker=(OFFLOAD, "DeepSpeedZeRoOffload._register_deepspeed_module"),  # PR 6847's new name
     # every function of deepspeed that touches an attribute `.id`, in every release 0.14.0-0.16.3, is a target,
