@@ -226,3 +226,18 @@ def test_an_auto_prefetch_bucket_is_told_by_its_value():
     for value in ("275.2890625", "15099494.5", "0.5", "1843.2"):  # 1843.2: 0.9 * 2048, not a square's 0.9
         assert not names_the_bucket(f"{refused}input_value={value}, input_type=float]"), value
     assert names_the_bucket("  stage3_prefetch_bucket_size")
+
+
+def test_a_copy_of_trls_add_hooks_in_another_project_is_not_trls_bug():
+    """The same message from an add_hooks that another project keeps (a vendored copy of trl's) is not fixed by
+    trl/zero3-generation-hooks: its frame says so; trl's own frame, or the message alone, names the bug."""
+    from dspatch import registry
+
+    patch = registry.all_patches()["trl/zero3-generation-hooks"]
+    error = "AttributeError: 'DeepSpeedZeRoOffload' object has no attribute '_register_hooks_recursively'"
+    frame = '  File "{}", line 148, in add_hooks\n    optimizer_offload._register_hooks_recursively(optimizer_offload.module)\n'
+    for path, named in (("/venv/lib/python3.11/site-packages/trl/models/utils.py", True),
+                        ("C:\\venv\\Lib\\site-packages\\trl\\models\\utils.py", True),
+                        ("/work/myproject/src/rl/utils.py", False), ("/venv/site-packages/openrlhf/utils.py", False)):
+        assert _found(frame.format(path) + error, patch) == ((["trl/zero3-generation-hooks"], []) if named else ([], [])), path
+    assert _found(error, patch) == (["trl/zero3-generation-hooks"], [])

@@ -39,6 +39,9 @@ FINGERPRINTS = {
 }
 
 SIGNATURE = r"'?\w+' object has no attribute '_register_hooks_recursively'"  # the quote is lost in pastes
+# a copy of trl's add_hooks kept in another project fails with the same message: this patch fixes trl's own, so a
+# frame of an add_hooks from another file tells that it is not this bug
+OTHER_COPY = r'File "(?![^"]*trl[/\\]models[/\\]utils\.py")[^"]*", line \d+, in add_hooks\b'
 
 
 def new_registration_name(definition):
@@ -74,7 +77,7 @@ PATCH = Patch(
            "https://github.com/deepspeedai/DeepSpeed/pull/6847"),
     supported=">=0.8.2",
     diffs={">=0.8.2,<=0.15.2": "trl/0002-zero3-generation-hooks-0.8.2-0.15.2.patch"},
-    signatures=(Signature(SIGNATURE, error="AttributeError"),),
+    signatures=(Signature(SIGNATURE, error="AttributeError", unless=(OTHER_COPY,)),),
     note=("trl.models.utils.add_hooks keeps its object, name and line numbers but runs code rebuilt from the "
           "installed file with `_register_hooks_recursively` read as `_register_deepspeed_module`"),
 )
