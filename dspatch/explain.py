@@ -261,8 +261,9 @@ def _decide(lines, candidates, printed):
 def find(lines, patches):
     """(named, undecided, set aside): named, one dict per bug the log decides ({patch, line, text, confidence,
     why, versions}); undecided, one per message that two known bugs (or a known bug and a failure no patch fixes,
-    `Signature.also`) give and the log cannot tell apart ({patches, line, text, why, tell, also}); set aside, the bugs whose message the log shows but that the versions
-    installed here do not have ({patch, line, text, reason})."""
+    `Signature.also`) give and the log cannot tell apart ({patches, line, text, why, tell, also}); set aside, the
+    bugs whose message the log shows but that the versions installed here do not have ({patch, line, text,
+    reason})."""
     printed = log_versions(lines)
     named, undecided, aside = [], [], []
     for number, candidates in sorted(_hits(lines, patches).items()):
