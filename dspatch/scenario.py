@@ -142,23 +142,28 @@ def launch_ranks(module, args=(), nproc=2, timeout=600):
 
 
 def finish_rank(folder, result):
-    """The end of a launched rank: its result written for launch_ranks, then every rank leaves together (one rank
-    leaving while another still works takes gloo down) and exits at once (gloo's teardown can abort a finished
-    process under load)."""
+    """The end of a launched rank: its result written for launch_ranks, then leave_and_exit(0)."""
     import json
-
-    import torch.distributed
 
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(folder, f"rank{rank}.json.part"), "w") as f:
         json.dump(result, f)
     os.replace(os.path.join(folder, f"rank{rank}.json.part"), os.path.join(folder, f"rank{rank}.json"))
+    leave_and_exit(0)
+
+
+def leave_and_exit(code):
+    """The end of a finished rank: every rank leaves gloo together (one rank leaving while another still works takes
+    gloo down), then the process exits at once with `code` (gloo's teardown can abort a finished process under
+    load: "terminate called without an active exception")."""
+    import torch.distributed
+
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def tiny_llama(head="LlamaForCausalLM", seed=0, **config):

@@ -9,6 +9,7 @@ import sys
 
 import dspatch._runtime
 from dspatch.patches.deepspeed.zero3_module_id_reproducers import expert_ids_through_training
+from dspatch.scenario import leave_and_exit
 
 
 def main():
@@ -34,4 +35,6 @@ def say(line):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # the ranks leave gloo together and exit at once: left to interpreter teardown, gloo's threads can abort a
+    # finished rank ("terminate called without an active exception")
+    leave_and_exit(main())

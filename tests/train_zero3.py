@@ -3,13 +3,12 @@ by `nox -s demo`. Each rank writes {"rank", "losses" (float.hex, for bit-for-bit
 
     torchrun --nproc_per_node 2 tests/train_zero3.py OUT_DIR [STEPS]
 """
-import json
 import os
 import sys
 
 
 def main(out_dir, steps=5):
-    from dspatch.scenario import init_deepspeed, zero3_config
+    from dspatch.scenario import finish_rank, init_deepspeed, zero3_config
 
     deepspeed = init_deepspeed()
     import torch
@@ -31,11 +30,12 @@ def main(out_dir, steps=5):
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.item()).hex())
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "losses": losses, "applied": dspatch._runtime.applied_ids(),
-                   "module_ids": sorted({type(getattr(m, "id", None)).__name__ for m in model.modules()})}, f)
     print(f"rank {rank}: losses {[float.fromhex(x) for x in losses]} applied {dspatch._runtime.applied_ids()}")
+    os.makedirs(out_dir, exist_ok=True)
+    # both ranks leave gloo together and exit at once: left to interpreter teardown, a finished rank can abort
+    # ("terminate called without an active exception", seen on bridge under load)
+    finish_rank(out_dir, {"rank": rank, "losses": losses, "applied": dspatch._runtime.applied_ids(),
+                          "module_ids": sorted({type(getattr(m, "id", None)).__name__ for m in model.modules()})})
 
 
 if __name__ == "__main__":
