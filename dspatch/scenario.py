@@ -45,6 +45,12 @@ def leave_distributed():
     torch = sys.modules.get("torch")
     try:
         if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_world_size() > 1 and torch.distributed.get_backend() == "gloo":
+                # leave together: a rank that destroys its group while another still talks to it can take gloo
+                # down; bounded, so that a rank that died only delays the others
+                import datetime
+
+                torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=120))
             torch.distributed.destroy_process_group()
     except Exception:  # leaving must not turn a finished run into a failure
         pass
