@@ -1,5 +1,6 @@
-"""A tiny ZeRO-3 training job (a Llama built from a config, no `.id` anywhere), run by torchrun in tests and
-by `nox -s demo`. Each rank writes {"rank", "losses" (float.hex, for bit-for-bit comparison), "applied"}.
+"""A tiny ZeRO-3 training job (a Llama built from a config, no `.id` anywhere), run by torchrun in
+tests/test_torchrun.py. Each rank writes {"rank", "losses" (float.hex, for bit-for-bit comparison), "applied",
+"module_ids"}.
 
     torchrun --nproc_per_node 2 tests/train_zero3.py OUT_DIR [STEPS]
 """
