@@ -74,8 +74,9 @@ class Patch:
       (loaded only by `--verify` and the tests, through `scenarios`, `expected_on_stock` and `band_check`). It
       defines `SCENARIOS` ({name: callable}: each returns None when behaviour is correct and raises `BugSeen`
       when the bug shows, see dspatch.verify), `EXPECTED_ON_STOCK` ({scenario: fragment of its BugSeen message}
-      that stock upstream must show, the proof that the patch is needed; only that failure counts as the bug)
-      and optionally `BAND_CHECK` (the cheapest reproducer, run on the released source of each diff band no
+      that stock upstream must show, the proof that the patch is needed; only that failure counts as the bug),
+      optionally `STOCK_FAILS_ON` ({scenario: PEP 440 specifier}: the releases of the distribution whose stock
+      shows that failure, where stock passes the scenario on the others) and `BAND_CHECK` (the cheapest reproducer, run on the released source of each diff band no
       test stack installs; default: the first of EXPECTED_ON_STOCK).
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
     - `fixed_marker`: optional (module, qualname) of a definition that exists only once upstream's fix is in;
@@ -134,9 +135,32 @@ class Patch:
         return dict(getattr(module, "SCENARIOS", {})) if module else {}
 
     @property
-    def expected_on_stock(self):
+    def declared_on_stock(self):
+        """{scenario: (fragment, releases)}: every stock failure declared, with the specifier of the releases that
+        show it (None: every release the patch applies to)."""
         module = self._reproducers()
-        return dict(getattr(module, "EXPECTED_ON_STOCK", {})) if module else {}
+        if not module:
+            return {}
+        only = getattr(module, "STOCK_FAILS_ON", {})
+        return {name: (fragment, only.get(name)) for name, fragment in getattr(module, "EXPECTED_ON_STOCK", {}).items()}
+
+    @property
+    def expected_on_stock(self):
+        """{scenario: fragment} that stock of the installed release must show."""
+        from dspatch.gating import installed_version
+        from dspatch.versions import InvalidVersion, SpecifierSet
+
+        expected = {}
+        for name, (fragment, releases) in self.declared_on_stock.items():
+            if releases is not None:
+                version = installed_version(self.distribution)
+                try:
+                    if version is None or not SpecifierSet(releases).contains(version, prereleases=True):
+                        continue
+                except InvalidVersion:
+                    continue
+            expected[name] = fragment
+        return expected
 
     @property
     def band_check(self):

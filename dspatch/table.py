@@ -30,8 +30,10 @@ def proofs():
     for pid, p in registry.all_patches().items():
         for name, scenario in p.scenarios.items():
             doc = " ".join((scenario.__doc__ or "").split()).split(". ")[0].rstrip(".")
-            fragment = p.expected_on_stock.get(name)
-            lines.append(f"| `{pid}` | `{name}` | {doc} | {f'`{fragment}`' if fragment else 'passes on stock too'} |")
+            fragment, releases = p.declared_on_stock.get(name, (None, None))
+            shown = f"`{fragment}`{f' ({p.distribution} {releases})' if releases else ''}" if fragment \
+                else "passes on stock too"
+            lines.append(f"| `{pid}` | `{name}` | {doc} | {shown} |")
     return "\n".join(lines)
 
 

@@ -34,6 +34,13 @@ def _zero2_breaks_the_second_engine():
     return Version(deepspeed_version()) > Version("0.16.3")
 
 
+def _deque_after_inference():
+    """A ZeRO-3 inference engine's single forward fails the next engine's first forward from 0.15.4 (0.14.4 trains)."""
+    from packaging.version import Version
+
+    return Version(deepspeed_version()) >= Version("0.15.4")
+
+
 def stock_results():
     """What stock shows, exactly. Up to 0.16.x ZeRO-2 breaks the first engine at once; 0.19.8 breaks at the
     second engine's first backward (and the first engine with it)."""
@@ -52,6 +59,9 @@ def stock_results():
         "zero0_same_model_warns": "bug: second deepspeed.initialize on the model of a live ZeRO-0 engine went "
                                   "through without a word",
         "allowed_calls": "ok",
+        "inference_then_training": (
+            "bug: a ZeRO-3 training engine built on the model of a live ZeRO-3 inference engine that ran one forward: "
+            "its first forward: IndexError: pop from an empty deque") if _deque_after_inference() else "ok",
     }
 
 
@@ -92,6 +102,18 @@ def row(kind, s1, s2):
     want = ref(s1, opt)
     model = io.make_model()
     optimizer = io._adamw(model) if opt else None
+    if kind == "inference":  # one forward of an engine with no optimizer, then a training engine on the model
+        first = io.make_engine(model, s1, inference=True)
+        io._inference_forward(first)
+        second = attempt(lambda: io.make_engine(model, s2))
+        status, engine = second
+        out = {"second": "refused" if status.startswith("InitializeTwiceError") and io.REFUSED in status else status}
+        if engine is not None:
+            engine.train()
+            got = attempt(lambda: io.train(engine, range(4)))
+            out["second engine"] = ("identical" if got[1] == io.reference(s2) else "changed") if got[0] == "ok" \
+                else got[0]
+        return out
     first = io.make_engine(model, s1, optimizer)
     done = io.train(first, range(2))
     with warnings.catch_warnings(record=True) as seen:
@@ -146,6 +168,10 @@ ROWS = {  # name: (kind, first engine's stage, second call's stage)
     "same optimizer 3": ("optimizer", 3, 3),
     "different model 3->3": ("different model", 3, 3),
     "after destroy 3->3": ("after destroy", 3, 3),
+    "inference 3->3": ("inference", 3, 3),
+    "inference 0->2": ("inference", 0, 2),
+    "inference 0->3": ("inference", 0, 3),
+    "inference 3->2": ("inference", 3, 2),
 }
 HARMLESS = {"same model 0->0", "same model 1->1", "same optimizer 0"}
 ALLOWED = {"different model 3->3", "after destroy 3->3"}
@@ -190,7 +216,15 @@ def _stock_corruption(name, stock):
 @pytest.mark.parametrize("name", list(ROWS))
 def test_table(name, table):
     stock, patched = table["stock"][name], table["patched"][name]
-    if name in HARMLESS:
+    if name == "inference 3->2":  # the inference engine's ZeRO-3 partitions under a ZeRO-2 engine
+        assert stock["second"] != "refused" and stock.get("second engine") != "identical", stock
+        assert patched == {"second": "refused"}, patched
+    elif name.startswith("inference"):  # handed over: trains as with no inference engine before
+        deque = name == "inference 3->3" and _deque_after_inference()
+        assert stock == {"second": "ok", "second engine": "IndexError: pop from an empty deque" if deque
+                         else "identical"}, stock
+        assert patched == {"second": "ok", "second engine": "identical"}, patched
+    elif name in HARMLESS:
         assert stock == {"second": "ok", "warned": 0, "first": "identical", "second engine": "ok"}, stock
         assert patched == {"second": "ok", "warned": 1, "first": "identical", "second engine": "ok"}, patched
     elif name in ALLOWED:

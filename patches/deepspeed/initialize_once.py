@@ -19,14 +19,27 @@ every row is a test, tests/test_initialize_once.py::test_table):
 | same client optimizer, ZeRO 0 | both engines train; first unchanged | same |
 | a different model, any stage | allowed (DeepSpeed-Chat builds four engines) | same |
 | same model after `first.destroy()` | allowed, the new engine trains | same |
+| same model, the first an inference engine (no optimizer) at ZeRO-3 that ran one forward, 3 -> 3 | 0.14.4: both train; 0.16.3: the second engine's first forward: `IndexError: pop from an empty deque` | same as 0.16.3 |
+| same model, the first an inference engine that ran two forwards, 3 -> 3; or at ZeRO-0, 0 -> 2 / 0 -> 3 | the second engine trains as if the first had never been | same |
+
+The inference rows are what trl 1.9-1.16 (reference log-probs precomputed under DeepSpeed, `prepare_deepspeed`)
+and the Trainer (`evaluate()` before `train()`) do: an engine with no optimizer runs forwards, then the training
+engine is built on the same model. That is not a second training engine, and it trains right on stock (but for the
+deque), so it is never refused: the earlier engine is handed over (patches/engine_handover.py): at ZeRO-3 its hooks
+are taken off the model (its `destroy()`, and the root hook that `destroy()` leaves on 0.14.0-0.16.5, which is what
+fails with the deque there), right after the new engine is built; the old engine object still works, under the new
+engine's hooks. The losses then equal, bit for bit, those of the same training with no inference engine before it.
 
 So with the patch, before the call reaches DeepSpeed:
 - the model (or an engine passed as the model) or the client optimizer is owned by a live engine and either that
   engine or the new call uses gradient hooks or partitioning (ZeRO stage >= 2, stage 1 with `overlap_comm`), or
   the optimizer is shared at ZeRO >= 1, or the new call's ZeRO stage cannot be read (a config that is neither a
-  dict nor a JSON file): `InitializeTwiceError` (a RuntimeError) naming the object, the live engine and its
-  stage, and what to do (keep the first engine, `destroy()` it first, or pass a fresh copy). Nothing has changed;
+  dict nor a JSON file): `InitializeTwiceError` (a RuntimeError) naming the object, the live engine, its
+  stage and the code that built it (the first frame outside deepspeed, e.g. `accelerate/accelerator.py:1980 in
+  _prepare_deepspeed`), and what to do (keep the first engine, `destroy()` it first, or pass a fresh copy). Nothing has changed;
   the first engine trains on bit-identically.
+- the live engine holding the model is an inference engine (built with no optimizer, given or configured), and the
+  new call does not leave ZeRO-3 partitions under a non-ZeRO-3 engine: handed over, silently, as above.
 - otherwise (ZeRO 0/1 without hooks on both sides, harmless): one `UserWarning` per process, and the call goes
   through as stock.
 - different models, and a model whose engine was `destroy()`ed (or garbage-collected), pass silently.
@@ -74,12 +87,12 @@ class InitializeTwiceError(RuntimeError):
     """A second deepspeed.initialize on an object a live engine holds, where it would corrupt that engine."""
 
 
-# id(obj) -> (weakref to obj, weakref to engine, what: "model" | "engine" | "optimizer")
+# id(obj) -> (weakref to obj, weakref to engine, what: "model" | "engine" | "optimizer", the code that built it)
 _owners = {}
 _warned = []
 
 
-def _remember(obj, engine, what):
+def _remember(obj, engine, what, built_by):
     import weakref
 
     if obj is None:
@@ -89,7 +102,24 @@ def _remember(obj, engine, what):
         ref = weakref.ref(obj, lambda _, key=key: _forget_key(key))
     except TypeError:  # not weak-referenceable: not tracked
         return
-    _owners[key] = (ref, weakref.ref(engine), what)
+    _owners[key] = (ref, weakref.ref(engine), what, built_by)
+
+
+def _caller():
+    """Where deepspeed.initialize was called from: the first frame outside deepspeed, wrapt and dspatch, as
+    `package/module.py:line in function` (a script: its file name), or None."""
+    import os
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__") or ""
+        if name.partition(".")[0] not in ("deepspeed", "wrapt", "dspatch"):
+            where = (name.replace(".", "/") + ".py") if name and name != "__main__" else \
+                os.path.basename(frame.f_code.co_filename)
+            return f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
 
 
 def _forget_key(key):
@@ -99,18 +129,18 @@ def _forget_key(key):
 
 
 def _forget_engine(engine):
-    for key, (_, owner, _) in list(_owners.items()):
+    for key, (_, owner, _, _) in list(_owners.items()):
         if owner() is engine or owner() is None:
             _owners.pop(key, None)
 
 
 def _owner(obj):
-    """(engine, what) of a live engine holding `obj`, or None."""
+    """(engine, what, built_by) of a live engine holding `obj`, or None."""
     entry = _owners.get(id(obj)) if obj is not None else None
     if entry is None or entry[0]() is not obj:
         return None
     engine = entry[1]()
-    return None if engine is None else (engine, entry[2])
+    return None if engine is None else (engine, entry[2], entry[3])
 
 
 def _read_config(args, config, config_params):
@@ -165,29 +195,40 @@ def _describe(obj):
 
 
 def _check(model, optimizer, args, config, config_params):
-    """Raise InitializeTwiceError where a second call would corrupt a live engine; return a warning text where
-    it is harmless; None when nothing is reused."""
+    """Raise InitializeTwiceError where a second call would corrupt a live engine. Otherwise (warning, handover):
+    a warning text where the reuse is harmless (or None), and the inference engines to hand the model over from
+    once the new engine is built."""
+    from dspatch.patches import engine_handover
+
     new = _stage_of_config(_read_config(args, config, config_params))
     new_text = f"ZeRO stage {new[0]}" if new else "a ZeRO stage this check cannot read (not a dict or a JSON file)"
-    harmless = []
+    harmless, handover = [], []
     for obj, role in ((model, "model"), (optimizer, "optimizer")):
         found = _owner(obj)
         if found is None:
             continue
-        engine, what = found
+        engine, what, built_by = found
         old = _stage_of_engine(engine)
+        if role == "model" and what == "model" and engine_handover.is_inference(engine) and (
+                not engine_handover.partitions(engine) or (new is not None and new[0] == 3)):
+            handover.append(engine)  # its forwards are done: no second training engine (see the docstring)
+            continue
         old_text = f"ZeRO stage {old[0]}" if old else "an unknown ZeRO stage"
+        kind = "inference engine (no optimizer) " if engine_handover.is_inference(engine) else ""
         subject = ("this DeepSpeedEngine (passed as the model)" if what == "engine" else f"this {role}") \
             + f" ({_describe(obj)})"
         if role == "model":
             corrupting = _hooks(old) or _hooks(new)
             why = ("would install DeepSpeed's per-parameter state on the same parameters again (ZeRO-2 gradient "
                    "hooks registered twice, ZeRO-3 parameters partitioned twice), which breaks both engines")
+            if kind and old is not None and old[0] == 3:
+                why = "would train parameters that a ZeRO-3 engine partitioned without ZeRO-3's hooks to gather them"
         else:
             corrupting = old is None or new is None or old[0] >= 1 or new[0] >= 1
             why = ("would prune and regroup the optimizer's param_groups in place again, which changes the "
                    "first engine's optimizer")
-        where = f"is already in use by a live {type(engine).__name__} ({hex(id(engine))}, {old_text})"
+        where = (f"is already in use by a live {type(engine).__name__} {kind}({hex(id(engine))}, {old_text}"
+                 f"{f', built by {built_by}' if built_by else ''})")
         if corrupting:
             raise InitializeTwiceError(
                 f"{REFUSED}: {subject} {where}. A second initialize with {new_text} {why}. Keep training with "
@@ -196,8 +237,8 @@ def _check(model, optimizer, args, config, config_params):
         harmless.append(f"{subject} {where}")
     if harmless:
         return (f"deepspeed.initialize: {'; '.join(harmless)}. At {new_text} this is harmless, but both engines "
-                f"now share the same parameters and each steps them. [dspatch {PID}; shown once]")
-    return None
+                f"now share the same parameters and each steps them. [dspatch {PID}; shown once]"), handover
+    return None, handover
 
 
 def _bind(wrapped, args, kwargs):
@@ -217,21 +258,28 @@ def _initialize(wrapped, instance, args, kwargs):
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = None  # a callable that builds one is fresh each time
-    warning = _check(model, optimizer, bound.get("args"), bound.get("config"), bound.get("config_params"))
+    warning, handover = _check(model, optimizer, bound.get("args"), bound.get("config"), bound.get("config_params"))
     if warning is not None and not _warned:
         import warnings
 
         _warned.append(True)
         warnings.warn(warning, UserWarning, stacklevel=3)
+    built_by = _caller()
     result = wrapped(*args, **kwargs)
     try:
         engine = result[0]
     except Exception:
         return result
-    _remember(engine, engine, "engine")
+    if handover:  # after the new engine is built: a call that fails leaves the earlier engine as it was
+        from dspatch.patches import engine_handover
+
+        for earlier in handover:
+            engine_handover.retire(earlier)
+            _forget_engine(earlier)
+    _remember(engine, engine, "engine", built_by)
     if model is not engine:
-        _remember(model, engine, "model")
-    _remember(optimizer, engine, "optimizer")
+        _remember(model, engine, "model", built_by)
+    _remember(optimizer, engine, "optimizer", built_by)
     return result
 
 
@@ -259,12 +307,13 @@ PATCH = Patch(
     links=("https://github.com/deepspeedai/DeepSpeed/issues/6772",
            "https://github.com/deepspeedai/DeepSpeed/pull/6874"),
     supported=">=0.14.0",
-    # one diff per band of releases whose files differ around the three insertion points (each applies as it
-    # is); the last one is the one to forward upstream
+    # one diff per band of releases whose files differ around the insertion points (each applies as it is; up to
+    # 0.16.5 each also keeps the root hook's handle that destroy() forgets); the last one is the one to forward
     diffs={">=0.14.0,<=0.14.3": "deepspeed/0005-initialize-once-0.14.0-0.14.3.patch",
            "==0.14.4": "deepspeed/0005-initialize-once-0.14.4.patch",
            "==0.14.5": "deepspeed/0005-initialize-once-0.14.5.patch",
-           ">=0.15.0,<=0.16.3": "deepspeed/0005-initialize-once-0.15.0-0.16.3.patch",
+           ">=0.15.0,<=0.15.3": "deepspeed/0005-initialize-once-0.15.0-0.15.3.patch",
+           ">=0.15.4,<=0.16.3": "deepspeed/0005-initialize-once-0.15.4-0.16.3.patch",
            ">=0.16.4,<=0.16.5": "deepspeed/0005-initialize-once-0.16.4-0.16.5.patch",
            ">=0.16.6,<=0.17.0": "deepspeed/0005-initialize-once-0.16.6-0.17.0.patch",
            ">=0.17.1,<=0.17.6": "deepspeed/0005-initialize-once-0.17.1-0.17.6.patch",
