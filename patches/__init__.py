@@ -26,4 +26,5 @@ MODULES = (
     "trl.grpo_reward_model_zero3",
     "deepspeed.zero_to_fp32_tied_weights",
     "deepspeed.zero3_gather_waits_all",
+    "trl.precompute_ref_zero3_engine",
 )
