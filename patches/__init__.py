@@ -27,4 +27,5 @@ MODULES = (
     "deepspeed.zero_to_fp32_tied_weights",
     "deepspeed.zero3_gather_waits_all",
     "trl.precompute_ref_zero3_engine",
+    "transformers.trainer_stale_deepspeed_engine",
 )

@@ -14,9 +14,11 @@ registers it without keeping its handle: a post-forward hook up to 0.15.3, a pre
 resets the dead coordinator at every forward and so still fails the same way; 0.16.6 keeps and removes it). The
 engine object stays usable: called again, its module runs under the next engine's hooks.
 
-An engine without ZeRO-3 installs nothing on the module (its forward is the module's), so retiring it changes
-nothing; it is not destroyed (bf16 at stage 0 without an optimizer cannot be on 0.16.x: BF16_Optimizer.destroy
-reads groups a DummyOptim never built).
+An inference engine without ZeRO-3 installs nothing on the module (its forward is the module's): retiring it
+changes nothing, and it is not destroyed (nor could it be everywhere: bf16 at stage 0 with no optimizer fails in
+0.16.x's BF16_Optimizer.destroy, which reads groups a DummyOptim never built). A training engine's optimizer holds
+gradient hooks on the parameters below ZeRO-3 too: `training_too` destroys those (the Trainer's engine of an
+earlier `train()`).
 """
 
 
@@ -60,9 +62,12 @@ def _root_hooks(module, owners):
     return found
 
 
-def retire(engine):
-    """Take a ZeRO-3 engine's hooks off its module (see the module's docstring); nothing for other engines."""
+def retire(engine, training_too=False):
+    """Take a ZeRO-3 engine's hooks off its module (see the module's docstring); with `training_too`, destroy a
+    training engine below ZeRO-3 too; nothing for an inference engine below ZeRO-3."""
     if not partitions(engine):
+        if training_too and not is_inference(engine):
+            engine.destroy()
         return
     offload = getattr(engine, "optimizer", None)
     owners = [o for o in (offload, getattr(offload, "parameter_offload", None)) if o is not None]

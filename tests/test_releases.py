@@ -47,6 +47,7 @@ CHECKED = {
     "deepspeed/zero-to-fp32-tied-weights": ("0.14.0", "0.19.8"),
     "deepspeed/zero3-gather-waits-all": ("0.14.0", "0.19.8"),
     "trl/precompute-ref-zero3-engine": ("1.8.0", "1.16.0"),
+    "transformers/trainer-stale-deepspeed-engine": ("4.44.0", "5.24.0"),
 }
 # For a patch that `requires` another package: versions of it with the bug's need and without.
 OTHERS = {
