@@ -28,4 +28,5 @@ MODULES = (
     "deepspeed.zero3_gather_waits_all",
     "trl.precompute_ref_zero3_engine",
     "transformers.trainer_stale_deepspeed_engine",
+    "transformers.resume_rng_weights_only",
 )

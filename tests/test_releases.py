@@ -48,10 +48,12 @@ CHECKED = {
     "deepspeed/zero3-gather-waits-all": ("0.14.0", "0.19.8"),
     "trl/precompute-ref-zero3-engine": ("1.8.0", "1.16.0"),
     "transformers/trainer-stale-deepspeed-engine": ("4.44.0", "5.24.0"),
+    "transformers/resume-rng-weights-only": ("4.38.0", "4.48.0"),
 }
 # For a patch that `requires` another package: versions of it with the bug's need and without.
 OTHERS = {
     "deepspeed/checkpoint-weights-only": ({"torch": "2.13.0"}, {"torch": "2.5.1"}),
+    "transformers/resume-rng-weights-only": ({"torch": "2.13.0"}, {"torch": "2.5.1"}),
     "accelerate/deepspeed-no-sync": ({"deepspeed": "0.16.9"}, {"deepspeed": "0.15.4"}),
     "trl/zero3-generation-hooks": ({"deepspeed": "0.16.9"}, {"deepspeed": "0.16.3"}),
     "transformers/deepspeed-prefetch-bucket-int": ({"deepspeed": "0.16.3"}, {"deepspeed": "0.14.4"}),
