@@ -27,6 +27,7 @@ MODULES = (
     "deepspeed.zero_to_fp32_tied_weights",
     "deepspeed.zero3_gather_waits_all",
     "trl.precompute_ref_zero3_engine",
+    "trl.precompute_ref_zero3_engine_kto",
     "transformers.trainer_stale_deepspeed_engine",
     "transformers.resume_rng_weights_only",
 )

@@ -77,3 +77,21 @@ def retire(engine, training_too=False):
         hooks.pop(key, None)
         for extra in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
             getattr(module, extra, {}).pop(key, None)
+
+
+def coordinators(engine):
+    """The ZeRO-3 parameter coordinators of an engine (one from 0.15; 0.14 keeps one per training mode)."""
+    offload = getattr(engine, "optimizer", None)
+    offload = getattr(offload, "parameter_offload", offload)
+    one = getattr(offload, "param_coordinator", None)
+    return [one] if one is not None else list(getattr(offload, "param_coordinators", {}).values())
+
+
+def forget_trace(engine):
+    """Make a ZeRO-3 engine that stays on its model record its trace afresh at its next forward, instead of replaying
+    (or completing) one recorded before another engine renumbered the model's modules."""
+    if not partitions(engine):
+        return
+    for coordinator in coordinators(engine):
+        if not coordinator.is_invalid_trace():
+            coordinator._invalidate_trace()

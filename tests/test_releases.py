@@ -47,6 +47,7 @@ CHECKED = {
     "deepspeed/zero-to-fp32-tied-weights": ("0.14.0", "0.19.8"),
     "deepspeed/zero3-gather-waits-all": ("0.14.0", "0.19.8"),
     "trl/precompute-ref-zero3-engine": ("1.8.0", "1.16.0"),
+    "trl/precompute-ref-zero3-engine-kto": ("1.8.0", "1.16.0"),
     "transformers/trainer-stale-deepspeed-engine": ("4.44.0", "5.24.0"),
     "transformers/resume-rng-weights-only": ("4.38.0", "4.48.0"),
 }

@@ -24,11 +24,14 @@ every row is a test, tests/test_initialize_once.py::test_table):
 
 The inference rows are what trl 1.9-1.16 (reference log-probs precomputed under DeepSpeed, `prepare_deepspeed`)
 and the Trainer (`evaluate()` before `train()`) do: an engine with no optimizer runs forwards, then the training
-engine is built on the same model. That is not a second training engine, and it trains right on stock (but for the
-deque), so it is never refused: the earlier engine is handed over (patches/engine_handover.py): at ZeRO-3 its hooks
-are taken off the model (its `destroy()`, and the root hook that `destroy()` leaves on 0.14.0-0.16.5, which is what
-fails with the deque there), right after the new engine is built; the old engine object still works, under the new
-engine's hooks. The losses then equal, bit for bit, those of the same training with no inference engine before it.
+engine is built on the same model. That is not a second training engine, and it trains on stock (but for the deque
+after a single ZeRO-3 forward), so it is never refused, and goes through exactly as on stock. Taking the inference
+engine off the model is its caller's to do, before the next engine is built: dspatch's
+trl/precompute-ref-zero3-engine and transformers/trainer-stale-deepspeed-engine do it for trl and the Trainer
+(patches/engine_handover.py). Done here instead, inside the second `deepspeed.initialize`, it broke a run that trains
+on stock: LoRA DPO with a precomputed reference and gradient checkpointing at ZeRO-3 then fails in backward
+(`CheckpointError`: weights recomputed with shape [0], deepspeed 0.19.8), where with the inference engine left alone
+it trains.
 
 So with the patch, before the call reaches DeepSpeed:
 - the model (or an engine passed as the model) or the client optimizer is owned by a live engine and either that
@@ -39,7 +42,7 @@ So with the patch, before the call reaches DeepSpeed:
   _prepare_deepspeed`), and what to do (keep the first engine, `destroy()` it first, or pass a fresh copy). Nothing has changed;
   the first engine trains on bit-identically.
 - the live engine holding the model is an inference engine (built with no optimizer, given or configured), and the
-  new call does not leave ZeRO-3 partitions under a non-ZeRO-3 engine: handed over, silently, as above.
+  new call does not leave ZeRO-3 partitions under a non-ZeRO-3 engine: through, silently, as on stock.
 - otherwise (ZeRO 0/1 without hooks on both sides, harmless): one `UserWarning` per process, and the call goes
   through as stock.
 - different models, and a model whose engine was `destroy()`ed (or garbage-collected), pass silently.
@@ -195,14 +198,14 @@ def _describe(obj):
 
 
 def _check(model, optimizer, args, config, config_params):
-    """Raise InitializeTwiceError where a second call would corrupt a live engine. Otherwise (warning, handover):
-    a warning text where the reuse is harmless (or None), and the inference engines to hand the model over from
-    once the new engine is built."""
+    """Raise InitializeTwiceError where a second call would corrupt a live engine; return a warning text where
+    it is harmless; None when nothing is reused (or only an inference engine's model, which goes through as on
+    stock)."""
     from dspatch.patches import engine_handover
 
     new = _stage_of_config(_read_config(args, config, config_params))
     new_text = f"ZeRO stage {new[0]}" if new else "a ZeRO stage this check cannot read (not a dict or a JSON file)"
-    harmless, handover = [], []
+    harmless = []
     for obj, role in ((model, "model"), (optimizer, "optimizer")):
         found = _owner(obj)
         if found is None:
@@ -211,8 +214,7 @@ def _check(model, optimizer, args, config, config_params):
         old = _stage_of_engine(engine)
         if role == "model" and what == "model" and engine_handover.is_inference(engine) and (
                 not engine_handover.partitions(engine) or (new is not None and new[0] == 3)):
-            handover.append(engine)  # its forwards are done: no second training engine (see the docstring)
-            continue
+            continue  # an inference engine's forwards are done: no second training engine (see the docstring)
         old_text = f"ZeRO stage {old[0]}" if old else "an unknown ZeRO stage"
         kind = "inference engine (no optimizer) " if engine_handover.is_inference(engine) else ""
         subject = ("this DeepSpeedEngine (passed as the model)" if what == "engine" else f"this {role}") \
@@ -237,8 +239,8 @@ def _check(model, optimizer, args, config, config_params):
         harmless.append(f"{subject} {where}")
     if harmless:
         return (f"deepspeed.initialize: {'; '.join(harmless)}. At {new_text} this is harmless, but both engines "
-                f"now share the same parameters and each steps them. [dspatch {PID}; shown once]"), handover
-    return None, handover
+                f"now share the same parameters and each steps them. [dspatch {PID}; shown once]")
+    return None
 
 
 def _bind(wrapped, args, kwargs):
@@ -258,7 +260,7 @@ def _initialize(wrapped, instance, args, kwargs):
 
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = None  # a callable that builds one is fresh each time
-    warning, handover = _check(model, optimizer, bound.get("args"), bound.get("config"), bound.get("config_params"))
+    warning = _check(model, optimizer, bound.get("args"), bound.get("config"), bound.get("config_params"))
     if warning is not None and not _warned:
         import warnings
 
@@ -270,12 +272,6 @@ def _initialize(wrapped, instance, args, kwargs):
         engine = result[0]
     except Exception:
         return result
-    if handover:  # after the new engine is built: a call that fails leaves the earlier engine as it was
-        from dspatch.patches import engine_handover
-
-        for earlier in handover:
-            engine_handover.retire(earlier)
-            _forget_engine(earlier)
     _remember(engine, engine, "engine", built_by)
     if model is not engine:
         _remember(model, engine, "model", built_by)
@@ -307,13 +303,12 @@ PATCH = Patch(
     links=("https://github.com/deepspeedai/DeepSpeed/issues/6772",
            "https://github.com/deepspeedai/DeepSpeed/pull/6874"),
     supported=">=0.14.0",
-    # one diff per band of releases whose files differ around the insertion points (each applies as it is; up to
-    # 0.16.5 each also keeps the root hook's handle that destroy() forgets); the last one is the one to forward
+    # one diff per band of releases whose files differ around the insertion points (each applies as it is); the
+    # last one is the one to forward upstream
     diffs={">=0.14.0,<=0.14.3": "deepspeed/0005-initialize-once-0.14.0-0.14.3.patch",
            "==0.14.4": "deepspeed/0005-initialize-once-0.14.4.patch",
            "==0.14.5": "deepspeed/0005-initialize-once-0.14.5.patch",
-           ">=0.15.0,<=0.15.3": "deepspeed/0005-initialize-once-0.15.0-0.15.3.patch",
-           ">=0.15.4,<=0.16.3": "deepspeed/0005-initialize-once-0.15.4-0.16.3.patch",
+           ">=0.15.0,<=0.16.3": "deepspeed/0005-initialize-once-0.15.0-0.16.3.patch",
            ">=0.16.4,<=0.16.5": "deepspeed/0005-initialize-once-0.16.4-0.16.5.patch",
            ">=0.16.6,<=0.17.0": "deepspeed/0005-initialize-once-0.16.6-0.17.0.patch",
            ">=0.17.1,<=0.17.6": "deepspeed/0005-initialize-once-0.17.1-0.17.6.patch",

@@ -1,0 +1,25 @@
+"""KTO with a precomputed reference at ZeRO-3: the reference pass's engine forgets its trace once its forwards are done
+(trl 1.9.0-1.16.0, open upstream). KTOTrainer's twin of trl/precompute-ref-zero3-engine (DPO): the same bug, cause
+and fix, in `KTOTrainer._precompute_ref_logps`; its own patch because a patch applies once all its modules are
+imported, and a KTO job never imports the DPO trainer (nor a DPO job the KTO one).
+"""
+from dspatch.patches.trl.precompute_ref_zero3_engine import PATCH as DPO_PATCH
+from dspatch.patches.trl.precompute_ref_zero3_engine import KTO_FINGERPRINTS, apply, signature
+from dspatch.spec import Patch
+
+PATCH = Patch(
+    id="trl/precompute-ref-zero3-engine-kto",
+    summary=("KTO with precompute_ref_log_probs under ZeRO-3: the reference pass's engine forgets its trace when the "
+             "pass ends, so the training forward does not complete it with renumbered modules (no `pop from an "
+             "empty deque`)"),
+    distribution="trl",
+    affected=DPO_PATCH.affected,
+    fixed_in=None,
+    supported=DPO_PATCH.supported,
+    targets=KTO_FINGERPRINTS,
+    apply=apply,
+    links=DPO_PATCH.links,
+    diffs=DPO_PATCH.diffs,  # one upstream change for both trainers
+    signatures=(signature(r"trl[/\\]trainer[/\\]kto_trainer\.py"),),
+    note="KTOTrainer._precompute_ref_logps is wrapped: once per reference pass, nothing per step",
+)

@@ -1,0 +1,11 @@
+"""Reproducers: KTOTrainer's, from trl/precompute-ref-zero3-engine's (patches/trl/precompute_ref_zero3_engine_reproducers.py).
+
+Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
+"""
+from dspatch.patches.trl.precompute_ref_zero3_engine_reproducers import kto_precomputed_zero3
+
+SCENARIOS = {"kto_precomputed_zero3": kto_precomputed_zero3}
+EXPECTED_ON_STOCK = {
+    "kto_precomputed_zero3": "KTO with a reference precomputed in one batch at ZeRO-3: the first training forward: "
+                             "IndexError: pop from an empty deque",
+}
