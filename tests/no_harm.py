@@ -37,12 +37,18 @@ def _between(name, low=None, high=None):
     return v is not None and (low is None or v >= Version(low)) and (high is None or v < Version(high))
 
 
-# (recipe, stage) -> [(condition on the installed versions, stock's failure (a fragment), what DSPATCH=1 does:
+BY_DESIGN = "fails too: refused by trl on purpose at ZeRO-3"
+PRECOMPUTE_REFUSED = "You cannot use `precompute_ref_log_probs=True` with Deepspeed ZeRO-3"
+WEIGHTS_ONLY = "fixed by deepspeed/checkpoint-weights-only"
+ZIP = "zip() argument 2 is longer than argument 1"
+SCHEDULER = "fixed by transformers/trainer-scheduler-after-deepspeed"
+# (recipe, stage) -> [(condition on the installed versions, stock's failure (a fragment, or a tuple of them: one must
+# be in it), what DSPATCH=1 does:
 # "fixed by <patch id>" or "fails too: <why no patch fixes it>")]
 STOCK_FAILS = {
     ("trainer_evaluate_first", 2): [(lambda: True, "ZeRO inference only makes sense with ZeRO Stage 3",
                                      "fails too: refused by transformers on purpose (evaluation needs ZeRO-3)")],
-    ("trainer_evaluate_first", 3): [(lambda: True, "total_num_steps=0",
+    ("trainer_evaluate_first", 3): [(lambda: True, ("total_num_steps=0", "'NoneType' object has no attribute 'backward'"),
                                      "fixed by transformers/trainer-stale-deepspeed-engine")],
     ("trainer_twice", 2): [(lambda: True, "'NoneType' object has no attribute 'backward'",
                             "fixed by transformers/trainer-stale-deepspeed-engine")],
@@ -52,10 +58,30 @@ STOCK_FAILS = {
                              "fixed by transformers/resume-rng-weights-only")],
     ("trainer_resume", 3): [(lambda: _between("transformers", high="4.47.0"), "Weights only load failed",
                              "fixed by transformers/resume-rng-weights-only")],
-    ("dpo_precompute_1", 3): [(lambda: _between("trl", "1.9.0"), "pop from an empty deque",
+    # a LoRA model's bias/norm group is empty: the scheduler built before DeepSpeed prunes it fails at its first step
+    ("dpo_lora", 2): [(lambda: _between("transformers", high="5.1.0"), ZIP, SCHEDULER)],
+    ("dpo_lora", 3): [(lambda: _between("transformers", high="5.1.0"), ZIP, SCHEDULER)],
+    ("dpo_lora_precompute", 2): [(lambda: _between("transformers", high="5.1.0"), ZIP, SCHEDULER)],
+    # deepspeed 0.15.1-0.17.5 undoes zero.Init's patching of a class that only inherits __init__ (transformers 4.54+
+    # GenericForSequenceClassification heads): the reward model, loaded under zero.Init, has no parameters
+    # (deepspeed PR 7566, fixed 0.17.6; no dspatch patch yet)
+    # trl before 1.0 refuses by design what later releases do (no ref_model at ZeRO-3, a precomputed reference)
+    ("dpo", 3): [(lambda: _between("trl", high="1.0.0"), "not compatible with `create_reference_model()`", BY_DESIGN)],
+    ("kto", 3): [(lambda: _between("trl", high="1.0.0"), "not compatible with `create_reference_model()`", BY_DESIGN)],
+    # load_state: DeepSpeed <= 0.15.4 cannot load its own checkpoint on torch >= 2.6
+    ("accelerate_loop", 2): [(lambda: _between("deepspeed", high="0.16.0"), "Weights only load failed", WEIGHTS_ONLY)],
+    ("accelerate_loop", 3): [(lambda: _between("deepspeed", high="0.16.0"), "Weights only load failed", WEIGHTS_ONLY)],
+    ("grpo_reward_model", 3): [(lambda: _between("deepspeed", "0.15.1", "0.17.6") and _between("transformers", "4.54.0"),
+                                "IndexError: list index out of range", "fails too: deepspeed's zero.Init unpatch bug "
+                                "(PR 7566, fixed 0.17.6), no patch yet")],
+    ("dpo_precompute_1", 3): [(lambda: _between("trl", high="1.9.0"), PRECOMPUTE_REFUSED, BY_DESIGN),
+                         (lambda: _between("trl", "1.9.0"), "pop from an empty deque",
                                "fixed by trl/precompute-ref-zero3-engine")],
-    ("dpo_lora_precompute", 3): [(lambda: _between("trl", "1.9.0"), "pop from an empty deque",
+    ("dpo_lora_precompute", 3): [(lambda: _between("trl", high="1.9.0"), PRECOMPUTE_REFUSED, BY_DESIGN),
+                         (lambda: _between("trl", "1.9.0"), "pop from an empty deque",
                                   "fixed by trl/precompute-ref-zero3-engine")],
+    ("dpo_precompute_2", 3): [(lambda: _between("trl", high="1.9.0"), PRECOMPUTE_REFUSED, BY_DESIGN)],
+    ("kto_precompute", 3): [(lambda: _between("trl", high="1.9.0"), PRECOMPUTE_REFUSED, BY_DESIGN)],
 }
 # (recipe, stage) -> [(condition, the patch whose fix changes the numbers of a run stock completes)]
 CHANGES = {}
@@ -91,8 +117,11 @@ def check(recipe, stage):
         return
     assert declared, f"stock fails, undeclared: {stock['status']}\n{stock['log']}"
     fragment, outcome = declared[0]
-    assert fragment in stock["status"], f"stock fails otherwise than declared ({fragment!r}): {stock['status']}"
+    fragments = (fragment,) if isinstance(fragment, str) else fragment
+    assert any(f in stock["status"] for f in fragments), \
+        f"stock fails otherwise than declared ({fragment!r}): {stock['status']}"
     if outcome.startswith("fixed by"):
         assert patched["status"] == "ok", f"{outcome}, but DSPATCH=1: {patched['status']}\n{patched['log']}"
-    else:
-        assert patched["status"] == stock["status"], f"stock: {stock['status']}; DSPATCH=1: {patched['status']}"
+    else:  # no patch fixes it: DSPATCH=1 fails the same way (an earlier stock failure may be fixed on the way)
+        assert any(f in patched["status"] for f in fragments), \
+            f"stock: {stock['status']}; DSPATCH=1: {patched['status']}"

@@ -47,7 +47,7 @@ def tokenizer():
     from dspatch.scenario import word_tokenizer
 
     tok = word_tokenizer(["<pad>", "<s>", "</s>", "<unk>"] + WORDS, pad_token="<pad>", bos_token="<s>",
-                         eos_token="</s>", unk_token="<unk>")
+                         eos_token="</s>", unk_token="<unk>", model_input_names=["input_ids", "attention_mask"])
     tok.chat_template = None
     return tok
 
@@ -61,7 +61,8 @@ def model(head="LlamaForCausalLM", **extra):
 def common(out, stage, **extra):
     """TrainingArguments' fields every recipe shares."""
     return dict(output_dir=out, per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2, logging_steps=1,
-                save_strategy="no", report_to=[], bf16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                save_strategy="no", report_to=[], bf16=False, seed=0, data_seed=0, dataloader_num_workers=0,
+                disable_tqdm=True,
                 deepspeed=ds_config(stage), **extra)
 
 
@@ -207,7 +208,8 @@ def reward(stage, out):
         rows = {"input_ids_chosen": c["input_ids"], "attention_mask_chosen": c["attention_mask"],
                 "input_ids_rejected": r["input_ids"], "attention_mask_rejected": r["attention_mask"]}
     del trl
-    return trl_run("Reward", stage, out, rows, saved(out, "LlamaForSequenceClassification", num_labels=1))
+    # a model object: trl 0.11's RewardTrainer takes no name
+    return trl_run("Reward", stage, out, rows, model("LlamaForSequenceClassification", num_labels=1))
 
 
 def grpo(stage, out, reward_model=False):
@@ -216,6 +218,9 @@ def grpo(stage, out, reward_model=False):
     if not hasattr(trl, "GRPOTrainer"):
         raise Unavailable(f"trl {trl.__version__} has no GRPOTrainer")
     if reward_model:
+        if version("trl") < version_of("1.0"):
+            raise Unavailable(f"trl {trl.__version__} takes a reward model object only (trl/grpo-reward-model-zero3's "
+                              f"reproducers run that recipe on it)")
         funcs = [saved(out, "LlamaForSequenceClassification", num_labels=1)]
     else:
         funcs = [lambda completions, **_: [float(len(c)) for c in completions]]
