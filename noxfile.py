@@ -117,7 +117,7 @@ def tf444_ds16(session):
     session.install(TORCH)
     session.install(*TF444_DS16)
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
-    session.run("pytest", "-m", "not unit_only", *XDIST, "tests/test_proofs.py", "-k", "prefetch-bucket-int",
+    session.run("pytest", "-m", "not unit_only", *XDIST, "tests/test_proofs.py", "tests/test_proofs_fixes.py", "-k", "prefetch-bucket-int",
                 *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 

@@ -30,4 +30,5 @@ MODULES = (
     "trl.precompute_ref_zero3_engine_kto",
     "transformers.trainer_stale_deepspeed_engine",
     "transformers.resume_rng_weights_only",
+    "deepspeed.zero_init_inherited_init",
 )

@@ -17,9 +17,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STACK = os.environ.get("DSPATCH_TEST_STACK")
 
 
+# dspatch's own machinery (the import hook, strict mode, other patchers' wrappers, launchers, the warm test
+# interpreters): what these tests prove does not depend on the upstream release, so they run on the stacks named
+# here, not on all four (CI time). What does depend on the release, every patch's proofs, the no-harm matrix and
+# bit-identity with every patch active, runs on every stack.
+MACHINERY_STACKS = ("mid",)  # deepspeed/zero3-module-id, which the machinery tests patch, applies there
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.user_properties.append(("dspatch_patch", _patch_of(item)))
+        marker = item.get_closest_marker("machinery")
+        stacks = (marker.args or MACHINERY_STACKS) if marker else None
+        if marker and STACK and STACK not in stacks:
+            item.add_marker(pytest.mark.skip(reason=f"dspatch's own machinery, release-independent: proven on the "
+                                                    f"{' and '.join(stacks)} stack{'s' * (len(stacks) > 1)}"))
     if STACK or importlib.util.find_spec("deepspeed") is not None:
         return
     skip = pytest.mark.skip(reason="needs a real upstream stack: run `nox -s old`, `mid` or `latest`")

@@ -38,6 +38,7 @@ def test_set_installs_only_the_tiny_hook():
 
 
 @pytest.mark.stack
+@pytest.mark.machinery
 def test_first_target_import_loads_and_applies():
     code = "import deepspeed; " + LOADED
     loaded = json.loads(run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1])
@@ -56,12 +57,14 @@ def test_first_target_import_loads_and_applies():
 
 
 @pytest.mark.stack
+@pytest.mark.machinery
 def test_other_watched_packages_import_normally_with_the_hook():
     code = "import transformers, accelerate, trl, deepspeed; print('fine')"
     assert run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().endswith("fine")
 
 
 @pytest.mark.stack
+@pytest.mark.machinery
 def test_unknown_id_in_dspatch_is_reported_and_the_import_goes_on():
     proc = run_python(["-c", "import deepspeed; print('imported')"], env=clean_env(DSPATCH="deepspeed/nope"))
     assert proc.stdout.strip().endswith("imported")
@@ -72,12 +75,14 @@ def test_unknown_id_in_dspatch_is_reported_and_the_import_goes_on():
 
 
 @pytest.mark.stack
+@pytest.mark.machinery
 def test_local_rank_other_than_zero_is_quiet():
     proc = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="1", LOCAL_RANK="1"))
     assert not [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
 
 
 @pytest.mark.stack
+@pytest.mark.machinery
 def test_an_internal_dspatch_error_never_breaks_the_import():
     code = ("import dspatch._runtime as r\n"
             "def broken(name): raise ZeroDivisionError('simulated dspatch bug')\n"

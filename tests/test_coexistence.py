@@ -8,7 +8,7 @@ from packaging.version import Version
 
 from conftest import clean_env, deepspeed_version, run_python
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.machinery]
 
 PID = "deepspeed/zero3-module-id"
 

@@ -18,7 +18,8 @@ from dspatch import gating, registry
 
 from conftest import STACK, clean_env, run_python, run_ranks
 
-pytestmark = pytest.mark.stack
+# the launchers of the oldest and the newest deepspeed and accelerate of the matrix
+pytestmark = [pytest.mark.stack, pytest.mark.machinery("old", "latest")]
 
 # every rank reports what dspatch applied in it, after a real engine took a training step
 JOB = r'''

@@ -168,6 +168,7 @@ def definitions_found_alike(folders, recursive=True):
     return quick, total
 
 
+@pytest.mark.unit_only  # the standard library is the same in every session
 def test_quick_definition_lookup_agrees_with_a_full_parse_over_the_standard_library():
     quick, total = definitions_found_alike([os.path.dirname(ast.__file__)], recursive=False)  # its top level
     assert total > 5_000 and quick > 0.75 * total, (quick, total)  # it is the common path, and never wrong

@@ -50,6 +50,7 @@ CHECKED = {
     "trl/precompute-ref-zero3-engine-kto": ("1.8.0", "1.16.0"),
     "transformers/trainer-stale-deepspeed-engine": ("4.44.0", "5.24.0"),
     "transformers/resume-rng-weights-only": ("4.38.0", "4.48.0"),
+    "deepspeed/zero-init-inherited-init": ("0.14.0", "0.19.8"),
 }
 # For a patch that `requires` another package: versions of it with the bug's need and without.
 OTHERS = {

@@ -8,7 +8,7 @@ import pytest
 import warm
 from conftest import STACK, clean_env, run_python
 
-pytestmark = pytest.mark.stack
+pytestmark = [pytest.mark.stack, pytest.mark.machinery("old", "latest")]  # the oldest and newest imports
 
 # ZeRO-3 training of a tiny Llama (every process group made in the child), and what dspatch applied
 TRAIN = r'''

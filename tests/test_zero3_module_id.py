@@ -131,6 +131,7 @@ def _drift(package):
     open(path, "w").write("\n".join(text))
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_drifted_source_keeps_the_patch_out_and_the_job_running(deepspeed_copy):
     if not affected():
         pytest.skip("the version gate decides first on fixed releases")
@@ -153,6 +154,7 @@ def test_drifted_source_keeps_the_patch_out_and_the_job_running(deepspeed_copy):
     assert check.returncode == 1 and "drifted" in check.stdout
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_strict_makes_drift_an_import_error(deepspeed_copy):
     if not affected():
         pytest.skip("the version gate decides first on fixed releases")
@@ -163,6 +165,7 @@ def test_strict_makes_drift_an_import_error(deepspeed_copy):
     assert proc.returncode != 0 and "PatchError" in proc.stderr and "DSPATCH_STRICT=1" in proc.stderr
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_strict_set_from_code_also_makes_drift_an_import_error(deepspeed_copy):
     if not affected():
         pytest.skip("the version gate decides first on fixed releases")
@@ -173,6 +176,7 @@ def test_strict_set_from_code_also_makes_drift_an_import_error(deepspeed_copy):
     assert proc.returncode != 0 and "PatchError" in proc.stderr and "internal error" not in proc.stderr
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_import_order_revert_and_idempotence():
     """dspatch.apply() after `import deepspeed` patches at once; twice changes nothing; revert restores."""
     if not affected():
@@ -217,6 +221,7 @@ print(json.dumps(report))
                       "reverted": [PID], "restored": True, "after_revert": "bug"}
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_rebuilt_code_keeps_upstream_identity():
     """Names, line numbers, files and decorators of the patched functions are upstream's (tracebacks stay
     true); the code reads `.ds_id` where upstream's read `.id`, and nothing else."""
@@ -252,6 +257,7 @@ print(json.dumps(rows))
         assert set(row[5]) <= allowed and row[6] == ["id"], row
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_importing_the_launcher_adds_dspatch_to_its_export_list():
     """Only the launcher's list is checked here (no launcher runs: see the launcher tests)."""
     code = "import deepspeed.launcher.runner as r; print('DSPATCH' in r.EXPORT_ENVS)"
@@ -259,6 +265,7 @@ def test_importing_the_launcher_adds_dspatch_to_its_export_list():
     assert run_python(["-c", code], env=clean_env(), warm="base").stdout.strip().endswith("False")
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_a_patch_that_fails_part_way_is_rolled_back_whole():
     """An exception after some targets are wrapped leaves every target upstream's own; strict raises."""
     if not affected():
@@ -293,6 +300,7 @@ print(json.dumps({"verdict": result["deepspeed/zero3-module-id"], "wrapped": wra
     assert len(said) == 1 and "could not apply" in said[0] and "nothing changed" in said[0]
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_check_verify_shows_bug_and_fix_on_this_machine():
     proc = run_python(["-m", "dspatch.apply", "--check", "--verify", "--json", "--only", PID], check=False)
     row = {r["id"]: r for r in __import__("json").loads(proc.stdout)["patches"]}[PID]
@@ -315,6 +323,7 @@ def test_check_verify_shows_bug_and_fix_on_this_machine():
         assert "verify" not in row and row["verdict"] == gating.FIXED_UPSTREAM
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_late_apply_after_an_engine_exists_is_refused_whole():
     """Applying after deepspeed.initialize would make that engine read `.ds_id` it never got: refused."""
     if not affected():
@@ -331,6 +340,7 @@ def test_late_apply_after_an_engine_exists_is_refused_whole():
     assert "ZeRO-3 engine(s) exist in this process" in proc.stderr
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_reloading_a_patched_module_patches_it_again():
     """importlib.reload re-creates a module's classes: the new ones are patched too (once, whole), and the old
     ones, which other modules still hold, stay patched, so both numberings never mix."""
@@ -393,6 +403,7 @@ def test_deepspeeds_own_ds_id_is_recognised_on_a_copy_and_a_changed_one_is_refus
     assert out == f"{how} refused Expert already has an attribute ds_id=7", out
 
 
+@pytest.mark.machinery  # dspatch's runtime, shown on this patch
 def test_a_fresh_import_after_sys_modules_was_purged_is_patched_too():
     """The README's purge case: the patched modules dropped from sys.modules and imported again (as some test
     runners and notebooks do): the new classes are patched, the job keeps the experts' ids. (Purging all of

@@ -1,0 +1,103 @@
+"""The upstream diffs of the bands no stack of the matrix installs, proven on a real release of each band (old
+session): stock shows the bug on that release's own source, and the band's diff applied to it fixes it. (Split
+from test_proofs.py so that pytest-xdist's workers share the proofs.)"""
+import json
+import os
+
+import pytest
+
+from dspatch import gating, registry
+
+from conftest import clean_env, run_python, verify
+from test_proofs import APPLICABLE
+
+pytestmark = pytest.mark.stack
+
+
+def _matrix_versions(distribution):
+    """Versions of `distribution` some stack of the matrix installs (noxfile passes DSPATCH_MATRIX)."""
+    stacks = json.loads(os.environ.get("DSPATCH_MATRIX", "{}"))
+    found = {pin.split("==")[1] for pins in stacks.values() for pin in pins if pin.startswith(distribution + "==")}
+    return sorted(found)
+
+
+def _target_code(patch, version, into):
+    """The fingerprints of a release's targets (its code, as the gate sees it), from its sdist."""
+    from upstream_releases import extract_modules
+
+    locate = extract_modules(patch.distribution, version, patch.modules, os.path.join(into, version))
+    return tuple(gating.fingerprint(locate(t.module), t.qualname) if locate(t.module) else None
+                 for t in patch.targets)
+
+
+def _bands_no_stack_runs():
+    """(pid, band, release, reason to skip or None) for the diff bands that no stack of the matrix installs.
+    A band runs on the released source of its newest release, with the rest of the old stack, unless the code
+    of its targets is that of a release a stack runs, or of a band already run here (then only the diff's
+    context differs, which the unit session checks with `git apply --check` on every release)."""
+    import tempfile
+
+    from packaging.specifiers import SpecifierSet
+
+    from upstream_releases import sdist_versions
+
+    found = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for pid in APPLICABLE:
+            patch = registry.all_patches()[pid]
+            releases = sdist_versions(patch.distribution, "0.0", "999")
+            covered = [v for v in releases if v in _matrix_versions(patch.distribution)]  # same order on every worker
+            seen = {}
+            for v in covered:
+                seen.setdefault(_target_code(patch, v, tmp), f"{patch.distribution} {v}, which a stack runs")
+            for band in patch.diffs:
+                in_band = [v for v in releases if SpecifierSet(band).contains(v)]
+                if not in_band or any(SpecifierSet(band).contains(v) for v in covered):
+                    continue
+                code = _target_code(patch, in_band[-1], tmp)
+                found.append((pid, band, in_band[-1], seen.get(code)))
+                seen.setdefault(code, f"{patch.distribution} {in_band[-1]}, run for band {band}")
+    return found
+
+
+BANDS = _bands_no_stack_runs() if os.environ.get("DSPATCH_TEST_STACK") == "old" else []
+
+
+@pytest.mark.parametrize("pid, band, version, same_code", BANDS or [("none", "", "", None)])
+def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, version, same_code, tmp_path):
+    """Stock shows the bug on that release's own source (the patch's `band_check` reproducer), and the band's
+    diff applied to it fixes it."""
+    import subprocess
+    import tarfile
+
+    from dspatch import data_dir
+
+    from upstream_releases import sdist
+
+    if pid == "none":
+        pytest.skip("run on the old stack only (the oldest dependencies of the matrix)")
+    if same_code:
+        pytest.skip(f"{version}'s targets are the code of {same_code}: only the diff's context differs "
+                    f"(`git apply --check` on every release of the band, unit session)")
+    patch = registry.all_patches()[pid]
+    top = patch.modules[0].split(".")[0]
+    with tarfile.open(sdist(patch.distribution, version)) as tar:
+        # the package, at the top of the sdist or under src/ (accelerate, transformers); the diffs use the same paths
+        members = [m for m in tar.getmembers() if m.name.split("/", 1)[-1].split("/")[0] == top
+                   or m.name.split("/", 1)[-1].startswith(f"src/{top}/")]
+        tar.extractall(tmp_path, members=members, filter="tar")
+    root = next(tmp_path.iterdir())
+    site = root / "src" if (root / "src" / top).is_dir() else root
+    probe = run_python(["-c", f"import {top}"], env=clean_env(PYTHONPATH=str(site)), check=False)
+    if probe.returncode:  # said in the skip reason: that band is proven by fingerprint and `git apply` only
+        pytest.skip(f"{patch.distribution} {version} cannot be imported with this stack's torch: "
+                    f"{probe.stderr.strip().splitlines()[-1][:200]}")
+    name = patch.band_check
+    stock = verify(pid, clean_env(PYTHONPATH=str(site)), "--only", name)
+    if "torch._C' has no attribute '_cuda" in stock["results"][name]:  # accelerate < 0.25 with DeepSpeed
+        pytest.skip(f"{patch.distribution} {version} runs this reproducer on CUDA only (this torch is a CPU "
+                    f"build): that band is proven by fingerprint and `git apply` only")
+    assert patch.expected_on_stock[name] in stock["results"][name], (version, name, stock["results"][name])
+    subprocess.run(["git", "apply", os.path.join(data_dir("upstream_prs"), patch.diffs[band])], cwd=root, check=True)
+    fixed = verify(pid, clean_env(PYTHONPATH=str(site)), "--only", name)
+    assert fixed["applied"] == [] and fixed["results"] == {name: "ok"}, (version, fixed)
