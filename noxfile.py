@@ -63,10 +63,21 @@ if os.path.isdir(nox.options.envdir):
     os.utime(nox.options.envdir)
 
 
+_WHEEL = []  # the wheel of this checkout, built once per nox run, installed in every session
+
+
 def install_dspatch(session, *tools):
-    """dspatch as a user gets it (a wheel, with its .pth), built from this checkout afresh every run."""
+    """dspatch as a user gets it (a wheel, with its .pth), built from this checkout afresh every run (once: the
+    sessions of one run install the same wheel, 10 s each less)."""
     session.install(*tools)
-    session.install("--force-reinstall", "--no-deps", ".")
+    if not _WHEEL or not os.path.exists(_WHEEL[0]):
+        import glob
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="dspatch-wheel-")
+        session.run("python", "-m", "pip", "wheel", "-q", "--no-deps", "-w", folder, ".")
+        _WHEEL[:] = glob.glob(os.path.join(folder, "dspatch-*.whl"))
+    session.install("--force-reinstall", "--no-deps", _WHEEL[0])
 # Two workers: the tests are mostly subprocesses (fresh interpreters running deepspeed), one core each.
 XDIST = ["-n", "2", "--dist", "loadfile", "--durations=15"]  # the slowest tests, to keep CI in its budget
 TEST_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}

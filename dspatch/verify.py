@@ -18,6 +18,7 @@ import traceback
 
 
 def run_scenarios(patch, only=None, until_failure=False):
+    from dspatch.scenario import settle
     from dspatch.spec import BugSeen
 
     results = {}
@@ -26,6 +27,7 @@ def run_scenarios(patch, only=None, until_failure=False):
             continue
         if until_failure and any(r != "ok" for r in results.values()):
             break
+        settle()  # the previous scenario's garbage collected, the stack out of the collector's sight
         try:
             scenario()
             results[name] = "ok"

@@ -161,8 +161,7 @@ def drift_report(tmp_path_factory):
     site = tmp_path_factory.mktemp("drift")
     tops = sorted({m.split(".")[0] for pid in APPLICABLE for m in registry.all_patches()[pid].modules})
     for top in tops:
-        shutil.copytree(os.path.dirname(gating.module_file(top)), site / top,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(os.path.dirname(gating.module_file(top)), site / top)  # bytecode too (conftest.package_copy)
     proc = run_python(["-c", DRIFT_EACH, str(site), *APPLICABLE], env=clean_env(PYTHONPATH=str(site)), warm="stack")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
 

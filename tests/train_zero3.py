@@ -9,13 +9,15 @@ import sys
 
 
 def main(out_dir, steps=5):
-    from dspatch.scenario import finish_rank, init_deepspeed, zero3_config
+    from dspatch.scenario import finish_rank, init_deepspeed, settle, zero3_config
 
     deepspeed = init_deepspeed()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import dspatch._runtime
+
+    settle()
 
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)

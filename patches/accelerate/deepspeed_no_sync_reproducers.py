@@ -109,15 +109,6 @@ def _setup():
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
-def _freeze_heap():
-    """ZeRO-3's set-up calls gc.collect() a dozen times (see_memory_usage), 0.7 s each over the heap that torch,
-    deepspeed and transformers leave: what exists before a case is moved out of the collector's sight."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def _snapshot(engine):
     """{name: values} of the optimizer's full fp32 copy of every parameter (gathered from the ranks' partitions at
     ZeRO-1/2/3): the state training goes on from."""
@@ -228,6 +219,8 @@ def _job(out, cases):
     import time
     import traceback
 
+    from dspatch.scenario import settle
+
     _setup()
     import accelerate  # noqa: F401  (imported before the heap is frozen)
     import transformers  # noqa: F401
@@ -235,7 +228,7 @@ def _job(out, cases):
     results = {}
     for case in cases:
         mode, _, stage = case.rpartition("-")
-        _freeze_heap()
+        settle()
         started = time.perf_counter()
         try:
             results[case] = _trainer(int(stage)) if mode == "trainer" else _loop(mode, int(stage))

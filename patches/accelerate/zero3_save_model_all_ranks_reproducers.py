@@ -15,9 +15,10 @@ def _job(folder):
 
     import torch
 
-    from dspatch.scenario import finish_rank, gathered_whole, init_deepspeed, tiny_llama
+    from dspatch.scenario import finish_rank, gathered_whole, init_deepspeed, settle, tiny_llama
 
     deepspeed = init_deepspeed()
+    settle()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, DummyOptim

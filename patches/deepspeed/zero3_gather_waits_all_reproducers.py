@@ -16,9 +16,10 @@ def _job(folder):
 
     import torch
 
-    from dspatch.scenario import finish_rank, init_deepspeed
+    from dspatch.scenario import finish_rank, init_deepspeed, settle
 
     deepspeed = init_deepspeed()
+    settle()
     deepspeed.utils.logger.setLevel(logging.WARNING)
     torch.manual_seed(0)  # the same weights on both ranks, known before ZeRO-3 partitions them
     model = torch.nn.Sequential(*(torch.nn.Linear(LARGE // 8, 8, bias=False) for _ in range(COUNT)),
