@@ -63,13 +63,26 @@ if os.path.isdir(nox.options.envdir):
     os.utime(nox.options.envdir)
 
 
+def install_once(session, *requirements):
+    """`session.install(*requirements)`, skipped where this environment already installed exactly these (a stamp
+    file in it, written after pip succeeded): the environments outlive a run, and pip's start and resolution of
+    pins already there cost each session 10-15 s."""
+    stamp = os.path.join(session.virtualenv.location,
+                         ".dspatch-installed-" + hashlib.sha256(json.dumps(requirements).encode()).hexdigest()[:16])
+    if os.path.exists(stamp):
+        return
+    session.install(*requirements)
+    with open(stamp, "w") as f:
+        f.write("\n".join(requirements) + "\n")
+
+
 _WHEEL = []  # the wheel of this checkout, built once per nox run, installed in every session
 
 
 def install_dspatch(session, *tools):
     """dspatch as a user gets it (a wheel, with its .pth), built from this checkout afresh every run (once: the
     sessions of one run install the same wheel, 10 s each less)."""
-    session.install(*tools)
+    install_once(session, *tools)
     if not _WHEEL or not os.path.exists(_WHEEL[0]):
         import glob
         import tempfile
@@ -84,8 +97,8 @@ TEST_ENV = {"DS_ACCELERATOR": "cpu", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def install_stack(session, name):
-    session.install(TORCH)
-    session.install(*STACKS[name])
+    install_once(session, TORCH)
+    install_once(session, *STACKS[name])
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
 
 
@@ -115,8 +128,8 @@ for _name in STACKS:
 @nox.session(python="3.11")
 def trl_tf5(session):
     """trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers 5.23.0 (torch 2.13 CPU)."""
-    session.install(TORCH)
-    session.install(*TRL_TF5)
+    install_once(session, TORCH)
+    install_once(session, *TRL_TF5)
     install_dspatch(session, "wrapt>=2.5", "packaging", "pytest")
     session.run("pytest", "-m", "not unit_only", "tests/test_ppo_deepspeed_save.py", *session.posargs,
                 env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS)})
@@ -125,10 +138,10 @@ def trl_tf5(session):
 @nox.session(python="3.11")
 def tf444_ds16(session):
     """transformers/deepspeed-prefetch-bucket-int proven on transformers 4.44.2 with deepspeed 0.16.3 (torch 2.13 CPU)."""
-    session.install(TORCH)
-    session.install(*TF444_DS16)
+    install_once(session, TORCH)
+    install_once(session, *TF444_DS16)
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
-    session.run("pytest", "-m", "not unit_only", *XDIST, "tests/test_proofs.py", "tests/test_proofs_fixes.py", "-k", "prefetch-bucket-int",
+    session.run("pytest", "-m", "not unit_only", *XDIST, "tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py", "-k", "prefetch-bucket-int",
                 *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 

@@ -282,11 +282,12 @@ RECIPES = {
 
 def main(argv):
     name, stage = argv[0], int(argv[1])
-    from dspatch.scenario import init_deepspeed, reset_accelerate
+    from dspatch.scenario import init_deepspeed, reset_accelerate, settle
 
     os.environ.setdefault("TQDM_DISABLE", "1")
     init_deepspeed()
     reset_accelerate()
+    settle()  # ZeRO-3's set-up collects garbage a dozen times per engine: what is imported out of its sight
     with tempfile.TemporaryDirectory(prefix="dspatch-recipe-") as out:
         try:
             found = {"status": "ok", **RECIPES[name](stage, out)}

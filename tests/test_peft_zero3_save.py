@@ -126,10 +126,11 @@ import hashlib, json, os, shutil, sys, tempfile
 import torch
 import dspatch
 from dspatch.patches.transformers import peft_zero3_save_reproducers as P
-from dspatch.scenario import init_deepspeed
+from dspatch.scenario import init_deepspeed, settle
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 deepspeed = init_deepspeed()
+settle()
 warm = torch.nn.Linear(4, 4)
 deepspeed.initialize(model=warm, model_parameters=warm.parameters(), config={
     "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})

@@ -4,8 +4,8 @@
   failure declared there (BugSeen carrying that fragment), not with any error;
 - the monkeypatch fixes it: with DSPATCH naming the patch, it applies at import (one "applied" line) and every
   reproducer passes; the upstream diff fixes it: applied to a copy of the installed package, with no monkeypatch,
-  every reproducer passes, running that copy's files (both in test_proofs_fixes.py; the diffs of bands no stack
-  installs, on a real release of each: test_proofs_bands.py);
+  every reproducer passes, running that copy's files (test_proofs_fixes.py, test_proofs_diffs.py; the diffs of bands
+  no stack installs, on a real release of each: test_proofs_bands.py);
 - every target is necessary: with the patch applied less any one target, at least one reproducer fails;
 - every target's drift is caught: change any one target's source in a copy of the installed package, and
   the running process reports that target "drifted" and changes nothing;

@@ -23,9 +23,10 @@ APPLICABLE = [pid for pid, p in registry.all_patches().items() if gating.evaluat
 TRAIN = r'''
 import json, sys, tempfile
 import torch
-from dspatch.scenario import init_deepspeed
+from dspatch.scenario import init_deepspeed, settle
 deepspeed = init_deepspeed()
 from transformers import LlamaConfig, LlamaForCausalLM
+settle()  # ZeRO-3's set-up collects garbage a dozen times per engine: the imported stack out of its sight
 
 def config(stage):
     zero = {"stage": stage}
