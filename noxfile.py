@@ -141,8 +141,8 @@ def tf444_ds16(session):
     install_once(session, TORCH)
     install_once(session, *TF444_DS16)
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
-    session.run("pytest", "-m", "not unit_only", *XDIST, "tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py", "-k", "prefetch-bucket-int",
-                *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
+    proofs = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
+    session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, "-k", "prefetch-bucket-int", *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 
 @nox.session(python="3.11")

@@ -34,8 +34,7 @@ HEAVY_FIRST = ("test_proofs_fixes.py", "test_proofs_diffs.py", "test_proofs_band
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: number for number, name in enumerate(HEAVY_FIRST)}
-    order = {id(item): number for number, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(os.path.basename(str(item.fspath)), len(rank)), order[id(item)]))
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: files stay whole
     for item in items:
         item.user_properties.append(("dspatch_patch", _patch_of(item)))
         marker = item.get_closest_marker("machinery")

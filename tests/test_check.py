@@ -142,9 +142,10 @@ def test_export_writes_exactly_the_installed_releases_diffs_and_they_apply(tmp_p
     out = tmp_path / "prs"
     proc = run_python(["-m", "dspatch.export", "--out", str(out), "--check-against", site], check=False)
     rows = {r["id"]: r for r in dspatch_check_rows()}
+    per_patch = [registry.all_patches()[pid].diff_for(r["version"]) for pid, r in rows.items()
+                 if r["verdict"] == gating.APPLIES]
     # a set: patches that share one upstream change (trl's DPO and KTO halves) share its diff, written once
-    expected = sorted({registry.all_patches()[pid].diff_for(r["version"]) for pid, r in rows.items()
-                       if r["verdict"] == gating.APPLIES})
+    expected = sorted(set(per_patch))
     ours = [path for path in expected if path.startswith("deepspeed/")]  # the checkout given is deepspeed's
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*.patch")) if out.exists() else []
     assert written == expected
@@ -153,8 +154,6 @@ def test_export_writes_exactly_the_installed_releases_diffs_and_they_apply(tmp_p
         return
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # a line per patch (two patches sharing a diff: two lines)
-    per_patch = [registry.all_patches()[pid].diff_for(r["version"]) for pid, r in rows.items()
-                 if r["verdict"] == gating.APPLIES]
     assert proc.stdout.count(": applies") == len([path for path in per_patch if path in ours])
     assert proc.stdout.count(": skipped (its files are not in") == len([path for path in per_patch if path not in ours])
     for relative in ours:
