@@ -1,7 +1,10 @@
 """Warm interpreters for the stack sessions: a run pays for its own work, not for `import deepspeed`.
 
 A *zygote* is a fresh interpreter started with a run's exact environment (so `dspatch.pth` saw that DSPATCH at
-interpreter start, exactly as on a user's rank) that imports the stack once, then forks one child per run. The
+interpreter start, exactly as on a user's rank) that imports the stack once, then forks one child per run. A zygote
+that imports nothing dspatch watches (torch alone: mode "base", or beside a copy of upstream) starts without the
+DSPATCH variables instead, and its child runs the installed `dspatch.pth` with the run's environment, as `site`
+does at start-up, before anything watched is imported: one such zygote serves every DSPATCH value. The
 child takes the run's argv, environment, working directory and stdin, writes its own stdout/stderr, and exits
 with the status `python ARGS` would have. One zygote per distinct environment per pytest worker (at most
 MAX_ZYGOTES, least recently used first out); environments with PYTHONPATH (a copy of upstream, changed by the
@@ -100,8 +103,9 @@ class Zygote:
         self.ready = hello["ready"]
         self.why_not = None if self.ready else f"zygote not ready: {hello} {''.join(self._stderr)[-2000:]}"
 
-    def run(self, args, env, cwd, input, timeout):
-        request = {"args": list(args), "env": env, "cwd": cwd, "input": input, "timeout": timeout}
+    def run(self, args, env, cwd, input, timeout, run_pth=False):
+        request = {"args": list(args), "env": env, "cwd": cwd, "input": input, "timeout": timeout,
+                   "run_pth": run_pth}
         self.requests.write(json.dumps(request) + "\n")
         self.requests.flush()
         line = self.replies.readline()
@@ -142,6 +146,16 @@ def _packages_in_all(env):
     return found
 
 
+# What dspatch reads at start-up. A zygote that preloads nothing dspatch watches starts without them, and its child
+# runs dspatch.pth itself with the run's environment (what `site` would have done at the child's start: nothing
+# watched is imported yet either way), so that one zygote serves every DSPATCH value (a zygote start is ~8 s).
+DSPATCH_VARS = ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT", "DSPATCH_VERBOSE", "DSPATCH_CACHE")
+
+
+def _without(env, *names):
+    return {k: v for k, v in env.items() if k not in names}
+
+
 def plan(env, mode="stack"):
     """(environment the zygote starts with, modules it preloads, packages it must not have imported), or None
     when this run must have a fresh interpreter.
@@ -155,7 +169,7 @@ def plan(env, mode="stack"):
     if os.environ.get("DSPATCH_WARM", "1") == "0":
         return None
     if mode == "base":
-        return ({k: v for k, v in env.items() if k != "PYTHONPATH"}, BASE + BESIDE, tuple(WATCHED)) \
+        return (_without(env, "PYTHONPATH", *DSPATCH_VARS), BASE + BESIDE, tuple(WATCHED)) \
             if not _packages_in_all(env) & {"torch", "dspatch"} else None
     copies = _packages_in_all(env)
     if "torch" in copies or "dspatch" in copies:
@@ -166,6 +180,7 @@ def plan(env, mode="stack"):
     forbidden = set(copies)
     if base.get("DSPATCH", "").strip().lower() not in ("", "0", "false", "no", "off", "none"):
         forbidden |= set(WATCHED)
+        base = _without(base, *DSPATCH_VARS)  # nothing watched preloaded: the child runs dspatch.pth
     # a module is preloaded only if nothing forbidden is needed for it (peft and trl import transformers...)
     # (deepspeed <= 0.16 imports accelerate and transformers; the Trainer imports accelerate and peft)
     needs = {"deepspeed": {"accelerate", "transformers"}, "transformers.trainer": {"accelerate", "peft"},
@@ -192,7 +207,7 @@ def run(args, env, cwd, input=None, timeout=900, mode="stack"):
     if not zygote.ready:
         _fallbacks.append(zygote.why_not)
         return None
-    reply = zygote.run(args, env, cwd, input, timeout)
+    reply = zygote.run(args, env, cwd, input, timeout, run_pth=not set(WATCHED) - set(forbidden))
     with open(reply["stdout"], encoding="utf-8", errors="replace") as out, \
             open(reply["stderr"], encoding="utf-8", errors="replace") as err:
         stdout, stderr = out.read(), err.read()

@@ -67,6 +67,8 @@ def _be_python(request, out_fd, err_fd):
         import importlib
 
         importlib.invalidate_caches()
+    if request.get("run_pth"):  # the zygote started without DSPATCH: run dspatch.pth as `site` would have
+        _run_dspatch_pth()
     args = request["args"]
     code = 0
     try:
@@ -105,3 +107,17 @@ def _be_python(request, out_fd, err_fd):
         except Exception:
             pass
     return code
+
+
+def _run_dspatch_pth():
+    """The installed dspatch.pth's import lines, executed as `site.addpackage` executes them."""
+    import site
+
+    for folder in site.getsitepackages():
+        path = os.path.join(folder, "dspatch.pth")
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    if line.startswith(("import ", "import\t")):
+                        exec(line)
+            return
