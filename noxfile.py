@@ -1,6 +1,6 @@
 """Test matrix over real upstream stacks (deepspeed + transformers + accelerate + trl, torch 2.13 CPU), plus a torch-free unit session.
 
-    nox                 unit + old + bridge + mid + latest + trl_tf5 (what CI runs)
+    nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 (what CI runs)
     nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
@@ -12,7 +12,7 @@ import time
 
 import nox
 
-nox.options.sessions = ["unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16"]
+nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16"]
 nox.options.error_on_missing_interpreters = True
 
 # torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
@@ -100,6 +100,13 @@ def install_stack(session, name):
     install_once(session, TORCH)
     install_once(session, *STACKS[name])
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
+
+
+@nox.session(python="3.11")
+def lint(session):
+    """ruff, as configured in pyproject.toml."""
+    install_once(session, "ruff==0.17.6")
+    session.run("ruff", "check", ".")
 
 
 @nox.session(python="3.11")

@@ -71,13 +71,17 @@ class Patch:
     - `targets`: the fingerprint table, {(module, qualname): {fingerprint: releases}}, or Target objects (for code
       that moved between modules across releases: Target(..., releases=...)).
     - reproducers: real-upstream scenarios, in the module beside the patch's own named `<patch module>_reproducers`
-      (loaded only by `--verify` and the tests, through `scenarios`, `expected_on_stock` and `band_check`). It
+      (loaded only by `--verify` and the tests, through the properties that read it; importable without torch). It
       defines `SCENARIOS` ({name: callable}: each returns None when behaviour is correct and raises `BugSeen`
       when the bug shows, see dspatch.verify), `EXPECTED_ON_STOCK` ({scenario: fragment of its BugSeen message}
       that stock upstream must show, the proof that the patch is needed; only that failure counts as the bug),
-      optionally `STOCK_FAILS_ON` ({scenario: PEP 440 specifier}: the releases of the distribution whose stock
-      shows that failure, where stock passes the scenario on the others) and `BAND_CHECK` (the cheapest reproducer, run on the released source of each diff band no
-      test stack installs; default: the first of EXPECTED_ON_STOCK).
+      `RELEASES_CHECKED` ((first, last) release that tests/test_releases.py checks), optionally
+      `STOCK_FAILS_ON` ({scenario: PEP 440 specifier}: the releases of the distribution whose stock shows that
+      failure, where stock passes the scenario on the others), `BAND_CHECK` (the cheapest reproducer, run on the
+      released source of each diff band no test stack installs; default: the first of EXPECTED_ON_STOCK),
+      `OTHERS_WITH_AND_WITHOUT` (for `requires`: ({other: a version with the bug's need}, {other: one without}),
+      for the release suite), `SILENT` (why `explain` cannot name a bug that writes nothing to a log) and
+      `NECESSITY_PROVEN_BY` ("test_x.py::test": the test that proves each target necessary instead).
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
     - `fixed_marker`: optional (module, qualname) of a definition that exists only once upstream's fix is in;
       how a build that is not a plain release (git, dev, local) is recognised as fixed.
@@ -89,6 +93,8 @@ class Patch:
     - `signatures`: how a log shows this bug on stock upstream (Signature objects; see there), for
       `python -m dspatch.explain LOG`. Match the bug's own words and the frames that tell it from other failures
       with the same words: a wrong name sends a user to a fix for a bug they do not have.
+    - `symptom`: what a user sees on stock upstream, in a few words (the error's own text where there is one; for a
+      silent bug, the wrong result): the README's short table shows it beside the patch id.
     - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the
       installed file while the code that runs was rebuilt from it.
     - `in_use()`: optional; a reason why applying now (after its targets were imported and used) or reverting
@@ -97,7 +103,7 @@ class Patch:
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
                  diffs=None, in_use=None, fixed_marker=None, note="", requires=None, renamed=None, signatures=(),
-                 reproducers=None):
+                 reproducers=None, symptom=""):
         self.id = id
         self.summary = summary
         self.distribution = distribution
@@ -120,6 +126,7 @@ class Patch:
         self.requires = dict(requires or {})
         self.renamed = renamed
         self.signatures = tuple(signatures)
+        self.symptom = symptom
 
     def _reproducers(self):
         import importlib
@@ -166,6 +173,32 @@ class Patch:
     def band_check(self):
         module = self._reproducers()
         return getattr(module, "BAND_CHECK", None) or next(iter(self.expected_on_stock), None)
+
+    def _declared(self, name, default):
+        module = self._reproducers()
+        return getattr(module, name, default) if module else default
+
+    @property
+    def releases_checked(self):
+        """(first, last) release of the distribution that tests/test_releases.py checks; None: not declared."""
+        found = self._declared("RELEASES_CHECKED", None)
+        return tuple(found) if found else None
+
+    @property
+    def others_with_and_without(self):
+        """({other distribution: version with the bug's need}, {...: version without}); None: not declared."""
+        found = self._declared("OTHERS_WITH_AND_WITHOUT", None)
+        return (dict(found[0]), dict(found[1])) if found else None
+
+    @property
+    def silent(self):
+        """Why `python -m dspatch.explain` cannot name the bug (it writes nothing to a log); "": it can."""
+        return self._declared("SILENT", "")
+
+    @property
+    def necessity_proven_by(self):
+        """The test ("file.py::test") that proves each target necessary in place of --leave-out-each; "": none."""
+        return self._declared("NECESSITY_PROVEN_BY", "")
 
     def targets_for(self, version):
         """The targets release `version` of the distribution has: those whose `releases` contain it, and those

@@ -44,13 +44,6 @@ def test_stock_fails_exactly_as_declared(pid):
             f"stock upstream no longer shows {pid}'s {name} as declared ({fragment!r}): {results[name]}"
 
 
-# patches whose bug writes nothing a log would show (wrong values, silently): explain cannot name them
-SILENT = {"deepspeed/initialize-once": "a second initialize goes through without a word; what breaks later varies",
-          "deepspeed/engine-releases-model": "memory held, no message: proven by what gc.collect() frees",
-          "transformers/deepspeed-grad-accum-scale": "gradients GA times too small, no message: proven by numbers",
-          "deepspeed/zero3-gather-waits-all": "weights read before they arrive, no message: proven by their values"}
-
-
 def _upstream_log(pid):
     """The stock run's stderr less dspatch's own words (BugSeen lines), so only upstream's text can match."""
     return "\n".join(line for line in verify_log(pid, clean_env()).splitlines()
@@ -73,9 +66,9 @@ def test_explain_names_the_bug_from_the_stock_traceback(pid):
     if pid == "none-applies-here":
         pytest.skip("no patch applies to this stack")
     patch = registry.all_patches()[pid]
-    if pid in SILENT:
+    if patch.silent:  # its bug writes nothing a log would show (wrong values, silently): explain cannot name it
         assert not patch.signatures
-        pytest.skip(f"{pid}: {SILENT[pid]}")
+        pytest.skip(f"{pid}: {patch.silent}")
     assert patch.signatures, f"{pid} declares no log signature for dspatch.explain"
     log = _upstream_log(pid)
     for text in (log, _noisy(log)):
@@ -92,19 +85,15 @@ def test_explain_names_the_bug_from_the_stock_traceback(pid):
         assert found["do"].startswith("set DSPATCH=1")
 
 
-# patches whose own test proves more, in a process it shares with other checks (CI time): each target left out
-# fails the very reproducer that target is for, with the bug's own message
-NECESSITY_PROVEN_BY = {"deepspeed/checkpoint-weights-only":
-                       "test_checkpoint_weights_only.py::test_patched_stock_and_each_target_left_out_in_one_process"}
-
-
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))
 def test_every_target_is_necessary(pid):
     if pid == "none-applies-here":
         pytest.skip("no patch applies to this stack")
-    if pid in NECESSITY_PROVEN_BY:
-        pytest.skip(f"{pid}: proven target by target in {NECESSITY_PROVEN_BY[pid]}")
     patch = registry.all_patches()[pid]
+    # a patch whose own test proves more, in a process it shares with other checks (CI time): each target left out
+    # fails the very reproducer that target is for, with the bug's own message
+    if patch.necessity_proven_by:
+        pytest.skip(f"{pid}: proven target by target in {patch.necessity_proven_by}")
     out = run_python(["-m", "dspatch.verify", pid, "--leave-out-each"], warm="stack").stdout.strip().splitlines()[-1]
     left_out = json.loads(out)["left_out"]
     assert set(left_out) == {t.qualname for t in patch.targets}

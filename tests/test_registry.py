@@ -1,12 +1,16 @@
 """The registry, selection rules and fingerprints: pure Python, no upstream package needed."""
 import ast
+import difflib
+import importlib
 import os
 import pkgutil
+import re
 
 import pytest
 
 from dspatch import data_dir, gating, registry
 from dspatch.spec import Patch, Target
+from dspatch.versions import Version
 
 from conftest import ROOT
 
@@ -31,6 +35,35 @@ def test_every_patch_module_is_registered_and_complete():
         assert patch.band_check in patch.scenarios
         for diff in patch.diffs.values():
             assert os.path.isfile(os.path.join(data_dir("upstream_prs"), diff)), diff
+
+
+# What a reproducers module declares for dspatch.spec.Patch to read (see its docstring), and nothing else like it.
+DECLARED = {"SCENARIOS", "EXPECTED_ON_STOCK", "STOCK_FAILS_ON", "BAND_CHECK", "RELEASES_CHECKED",
+            "OTHERS_WITH_AND_WITHOUT", "SILENT", "NECESSITY_PROVEN_BY"}
+
+
+def _looks_declared(name):
+    """A name the suites could be meant to read: it shares a word with a declared one or nearly spells one (an old
+    table's name, a typo: OTHERS, RELEASE_CHECKED, SILENCE); a module's own constants (STEPS, ZIP) do not."""
+    def words(n):
+        return {re.sub("(ED|S)$", "", w) for w in n.split("_") if w not in ("ON", "AND", "WITH", "BY")}
+    return bool(words(name) & set().union(*map(words, DECLARED))) or \
+        bool(difflib.get_close_matches(name, DECLARED, cutoff=0.75))
+
+
+def test_reproducers_declare_only_what_the_suites_read():
+    assert all(map(_looks_declared, ["OTHERS", "CHECKED", "RELEASE_CHECKED", "SILENCE", "BANDCHECK"]))
+    for pid, patch in registry.all_patches().items():
+        names = {n for n in vars(importlib.import_module(patch.reproducers)) if n.isupper()}
+        assert not {n for n in names - DECLARED if _looks_declared(n)}, (pid, "misspelt or undocumented declaration")
+        first, last = patch.releases_checked or ("0", "0")
+        assert Version(first) < Version(last), (pid, "RELEASES_CHECKED: its first and last release")
+        if patch.others_with_and_without or patch.requires:  # each package it requires, with the bug's need and not
+            assert all(set(v) == set(patch.requires) for v in patch.others_with_and_without or [{}]), pid
+        assert isinstance(patch.silent, str) and isinstance(patch.necessity_proven_by, str), pid
+        if patch.necessity_proven_by:
+            path, _, test = patch.necessity_proven_by.partition("::")
+            assert f"def {test}(" in open(os.path.join(ROOT, "tests", path)).read(), (pid, patch.necessity_proven_by)
 
 
 @pytest.mark.parametrize("value", ["1", "all", "ALL", "true", " yes "])
@@ -221,12 +254,29 @@ def test_quick_definition_lookup_past_statements_with_no_decorator_above(tmp_pat
     assert gating.own_definition(str(path), "B.r") is None
 
 
-def test_readme_patch_table_is_generated_from_the_registry():
-    from dspatch.table import block, proof_block
+def test_patch_pages_and_tables_are_generated_from_the_registry():
+    """The README's short table, docs/patches/README.md and one page per patch (docs/patches/<id>.md), nothing else
+    under docs/patches: as `python -m dspatch.docs --write` writes them."""
+    from dspatch import docs
 
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert block() in readme, "README.md's patch table is stale: run `python -m dspatch.table --write`"
-    assert proof_block() in readme, "README.md's proof table is stale: run `python -m dspatch.table --write`"
+    assert docs.stale() == [], "generated pages are stale: run `python -m dspatch.docs --write`"
+    pages = docs.expected()
+    for pid, patch in registry.all_patches().items():
+        page = pages[docs.page_path(pid)]
+        assert f"# {pid}\n" in page and patch.summary in page and patch.symptom
+        assert all(path in page for path in patch.diffs.values())
+        assert all(f"`{name}`" in page for name in patch.scenarios)
+        assert f"]({docs.page_path(pid)})" in pages["README.md"]
+
+
+def test_the_readme_reads_in_a_minute():
+    """What dspatch is, how to install and use it, the two commands, what is proven where, the short table and
+    links to the rest: at most 12 KB (docs/ holds everything else)."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    assert len(readme.encode()) <= 12 * 1024, len(readme.encode())
+    for link in ("docs/patches/README.md", "docs/how-it-works.md", "docs/testing.md", "docs/explain.md",
+                 "docs/benchmarks.md", "CONTRIBUTING.md", "CHANGELOG.md"):
+        assert f"({link})" in readme and os.path.exists(os.path.join(ROOT, link)), link
 
 
 def test_ci_runs_the_readme_test_command():

@@ -1,6 +1,7 @@
 """Every patch of the registry against every release of its package in the range it is checked on: the released
 sources (sdists, or the wheel of a release published without one), read, never executed. One suite for all
-patches; what is specific to a patch is the data below and tests/test_releases_specific.py.
+patches; what is specific to a patch is what its reproducers module declares (RELEASES_CHECKED,
+OTHERS_WITH_AND_WITHOUT) and tests/test_releases_specific.py.
 
 For every release: the verdict is the one the declaration gives (fixed upstream / not affected / unsupported /
 applies), and where it applies the release's own source has a recorded fingerprint, exactly one diff band covers
@@ -23,48 +24,15 @@ from upstream_releases import module_paths, release_tree, release_versions, tree
 
 pytestmark = pytest.mark.unit_only
 
-# The releases each patch is checked on (its package, first and last release).
-CHECKED = {
-    "deepspeed/zero3-module-id": ("0.14.0", "0.19.8"),
-    "deepspeed/engine-module-hint": ("0.14.0", "0.19.8"),
-    "deepspeed/initialize-once": ("0.14.0", "0.19.8"),
-    "deepspeed/checkpoint-weights-only": ("0.14.0", "0.19.8"),
-    "deepspeed/frozen-param-names": ("0.14.0", "0.19.8"),
-    "deepspeed/zero3-frozen-checkpointing": ("0.14.0", "0.19.8"),
-    "accelerate/deepspeed-scheduler-param-groups": ("0.34.0", "1.15.0"),
-    "accelerate/deepspeed-no-sync": ("0.20.0", "1.15.0"),
-    "transformers/trainer-scheduler-after-deepspeed": ("4.44.0", "5.1.0"),
-    "transformers/peft-zero3-save": ("4.44.0", "5.0.0"),
-    "trl/zero3-generation-hooks": ("0.7.0", "0.17.0"),
-    "trl/ppo-deepspeed-save": ("0.9.0", "1.16.0"),
-    "deepspeed/zero3-trace-invalidation": ("0.14.0", "0.19.8"),
-    "deepspeed/zero3-modules-to-save-grads": ("0.14.0", "0.19.8"),
-    "deepspeed/engine-releases-model": ("0.14.0", "0.19.8"),
-    "transformers/deepspeed-grad-accum-scale": ("4.44.0", "4.50.0"),
-    "transformers/deepspeed-prefetch-bucket-int": ("4.36.0", "4.46.0"),
-    "accelerate/zero3-save-model-all-ranks": ("0.20.0", "1.2.0"),
-    "trl/grpo-reward-model-zero3": ("0.13.0", "0.17.0"),
-    "deepspeed/zero-to-fp32-tied-weights": ("0.14.0", "0.19.8"),
-    "deepspeed/zero3-gather-waits-all": ("0.14.0", "0.19.8"),
-    "trl/precompute-ref-zero3-engine": ("1.8.0", "1.16.0"),
-    "trl/precompute-ref-zero3-engine-kto": ("1.8.0", "1.16.0"),
-    "transformers/trainer-stale-deepspeed-engine": ("4.44.0", "5.24.0"),
-    "transformers/resume-rng-weights-only": ("4.38.0", "4.48.0"),
-    "deepspeed/zero-init-inherited-init": ("0.14.0", "0.19.8"),
-}
-# For a patch that `requires` another package: versions of it with the bug's need and without.
-OTHERS = {
-    "deepspeed/checkpoint-weights-only": ({"torch": "2.13.0"}, {"torch": "2.5.1"}),
-    "transformers/resume-rng-weights-only": ({"torch": "2.13.0"}, {"torch": "2.5.1"}),
-    "accelerate/deepspeed-no-sync": ({"deepspeed": "0.16.9"}, {"deepspeed": "0.15.4"}),
-    "trl/zero3-generation-hooks": ({"deepspeed": "0.16.9"}, {"deepspeed": "0.16.3"}),
-    "transformers/deepspeed-prefetch-bucket-int": ({"deepspeed": "0.16.3"}, {"deepspeed": "0.14.4"}),
-}
 PATCHES = registry.all_patches()
+# Declared beside each patch, in its reproducers module: the releases it is checked on (its package, first and last
+# release), and for a patch that `requires` another package, versions of it with the bug's need and without.
+CHECKED = {pid: patch.releases_checked for pid, patch in PATCHES.items() if patch.releases_checked}
+OTHERS = {pid: patch.others_with_and_without for pid, patch in PATCHES.items() if patch.others_with_and_without}
 
 
 def test_every_patch_is_checked():
-    assert set(CHECKED) == set(PATCHES)
+    assert set(CHECKED) == set(PATCHES), f"no RELEASES_CHECKED in the reproducers of {set(PATCHES) - set(CHECKED)}"
 
 
 RELEASES = {pid: release_versions(PATCHES[pid].distribution, *CHECKED[pid]) for pid in CHECKED}

@@ -250,6 +250,10 @@ EXPECTED_ON_STOCK = {
     "accumulate_zero2_zero3": f"accumulate-2: AssertionError: {ASSERTION} 2",
     "no_sync_zero2_and_zero1": f"no_sync-2: AssertionError: {ASSERTION} 2",
     "trainer_zero2": f"trainer-2: AssertionError: {ASSERTION} 2"}
+# The releases of accelerate that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.20.0", "1.15.0")
+# A version of each package the patch `requires` with the bug's need, and one without (release suite).
+OTHERS_WITH_AND_WITHOUT = ({"deepspeed": "0.16.9"}, {"deepspeed": "0.15.4"})
 
 
 if __name__ == "__main__":

@@ -1,21 +1,27 @@
-"""`Accelerator.prepare(model, optimizer, scheduler)` with DeepSpeed: the torch scheduler follows the param groups
-DeepSpeed kept.
+"""`Accelerator.prepare(model, optimizer, scheduler)` with DeepSpeed: the torch scheduler follows the groups kept.
 
-`deepspeed.initialize` removes empty param groups from the client optimizer in place (a LoRA-style job whose
-no-decay group is all frozen, a group for a module that has no trainable parameters). accelerate hands the
-user's torch scheduler, built on that optimizer before, to `AcceleratedScheduler` unchanged, so it still has
-one `base_lrs` / `lr_lambdas` entry per *original* group: on torch >= 2.10 the first `scheduler.step()` raises
-`ValueError: zip() argument 2 is longer than argument 1`; on older torch the lists are truncated, so when the
-removed group is not the last one every later group silently gets another group's learning rate. Seen with
-accelerate 1.15.0 (latest) + deepspeed 0.19.8 and accelerate 1.10.1 + deepspeed 0.16.3; not fixed upstream.
+`deepspeed.initialize` removes empty param groups from the client optimizer in place (a LoRA-style job whose no-decay
+group is all frozen, a group for a module that has no trainable parameters). accelerate hands the user's torch
+scheduler, built on that optimizer before, to `AcceleratedScheduler` unchanged, so it still has one `base_lrs` /
+`lr_lambdas` entry per *original* group: on torch >= 2.10 the first `scheduler.step()` raises `ValueError: zip()
+argument 2 is longer than argument 1`; on older torch the lists are truncated, so when the removed group is not the last
+one every later group silently gets another group's learning rate. This is the path of custom loops; the Trainer builds
+its scheduler too early by another path (transformers/trainer-scheduler-after-deepspeed, transformers#43692). Seen with
+accelerate 1.15.0 (latest) + deepspeed 0.19.8 and accelerate 1.10.1 + deepspeed 0.16.3; still open in accelerate 1.15
+(related upstream: DeepSpeedExamples PR 756).
 
-The fix: `Accelerator._prepare_deepspeed` is wrapped (one check per `prepare` call, nothing per step): before
-it runs, the param groups each torch scheduler among the prepared objects was built on are remembered; after
-it, the entries of the groups DeepSpeed removed are dropped from the scheduler (dspatch.patches.
-scheduler_param_groups, the one place that re-aligns). When no group was removed nothing is touched.
-Schedulers DeepSpeed builds itself (`DummyScheduler`, a scheduler in the DeepSpeed config) are built on the
-pruned optimizer already and are left alone. The upstream form, `upstream_prs/accelerate/0001-*.patch`, does
-the same inside `_prepare_deepspeed` with a helper in `accelerate/utils/deepspeed.py`.
+The fix: `Accelerator._prepare_deepspeed` is wrapped (one check per `prepare` call, nothing per step): before it runs,
+the param groups each torch scheduler among the prepared objects was built on are remembered; after it, the entries of
+the groups DeepSpeed removed are dropped from the scheduler, matched by the groups' identity, nested schedulers
+(`SequentialLR`) included (dspatch.patches.scheduler_param_groups, the one place that re-aligns). When no group was
+removed nothing is touched. Schedulers DeepSpeed builds itself (`DummyScheduler`, a scheduler in the DeepSpeed config)
+are built on the pruned optimizer already and are left alone. Tested: each learning rate of every group at every step
+equals a run without DeepSpeed. The upstream form, `upstream_prs/accelerate/0001-*.patch`, does the same inside
+`_prepare_deepspeed` with a helper in `accelerate/utils/deepspeed.py`.
+
+Not a bug of this kind: SimpleTuner issue 962 (`'Trainer' object has no attribute 'optimizer'` with an optimizer from
+the DeepSpeed config) needs no patch: it was a one-line bug in SimpleTuner's own trainer, only in its git tag v1.0
+(fixed in v1.0.1, in no PyPI release). What such accelerate loops can still hit is the param-group mismatch above.
 """
 from dspatch.spec import Patch, Signature
 
@@ -59,6 +65,7 @@ PATCH = Patch(
     id=PID,
     summary=("Accelerator.prepare with DeepSpeed and a torch LR scheduler: the scheduler follows the param groups "
              "DeepSpeed kept (no zip() ValueError, no learning rate shifted to another group)"),
+    symptom="`ValueError: zip() argument 2 is longer than argument 1`; older torch: shifted LRs",
     distribution="accelerate",
     affected=">=0",  # open upstream: the fingerprints decide
     fixed_in=None,

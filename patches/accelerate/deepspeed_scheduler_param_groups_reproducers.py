@@ -124,3 +124,5 @@ SCENARIOS = {"empty_middle_group_lambda": empty_middle_group_lambda,
              "empty_middle_group_sequential": empty_middle_group_sequential}
 EXPECTED_ON_STOCK = {"empty_middle_group_lambda": f"scheduler.step() 0: ValueError: {ZIP}",
                      "empty_middle_group_sequential": f"ValueError: {ZIP}"}
+# The releases of accelerate that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.34.0", "1.15.0")

@@ -1,13 +1,14 @@
 """`Accelerator.save_model` works on every rank at ZeRO-3 (accelerate 0.21.0-1.0.1).
 
-At ZeRO-3 `save_model` must be called on every rank: the weights are gathered with a collective. Only the main
-process gets them; every other rank's `get_state_dict` returns None, and save_model goes on to write None:
-`AttributeError: 'NoneType' object has no attribute 'items'` on every rank but 0 (accelerate issue 2985). A
-training script that calls `accelerator.save_model(model, out)` as documented dies on all ranks but one (and the
-job with them). accelerate 1.1.0 fixed it (PR 3146): a rank that got no state dict returns.
+At ZeRO-3 `save_model` must be called on every rank: the weights are gathered with a collective. Only the main process
+gets them; every other rank's `get_state_dict` returns None, and `save_model` goes on to write None: `AttributeError:
+'NoneType' object has no attribute 'items'` on every rank but 0 (accelerate issue 2985). A training script that calls
+`accelerator.save_model(model, out)` as documented dies on all ranks but one (and the job with them). accelerate 1.1.0
+fixed it (PR 3146): a rank that got no state dict returns.
 
-The fix does the same: `Accelerator.save_model` is rebuilt from the installed source with
-`if state_dict is None: return` right after the state dict is obtained (`txn.recode`).
+The fix does the same: `Accelerator.save_model` is rebuilt from the installed source with `if state_dict is None:
+return` right after the state dict is obtained (`txn.recode`). Proven with 2 ranks (torchrun, gloo) on the old stack
+(accelerate 0.34.2): both return, rank 0 writes `model.safetensors`, and the weights written equal the gathered model's.
 """
 from dspatch.spec import Patch, Signature
 
@@ -43,6 +44,7 @@ PATCH = Patch(
     id="accelerate/zero3-save-model-all-ranks",
     summary=("Accelerator.save_model at ZeRO-3 returns on every rank (the main one writes) instead of "
              "`'NoneType' object has no attribute 'items'` on all others"),
+    symptom="`AttributeError: 'NoneType' object has no attribute 'items'` on every rank but the main one",
     distribution="accelerate",
     affected=">=0.21.0,<1.1.0",
     fixed_in="1.1.0",

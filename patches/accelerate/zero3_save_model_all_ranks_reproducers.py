@@ -73,6 +73,8 @@ def save_model_on_every_rank():
 
 SCENARIOS = {"save_model_on_every_rank": save_model_on_every_rank}
 EXPECTED_ON_STOCK = {"save_model_on_every_rank": f"rank 1: Accelerator.save_model at ZeRO-3: AttributeError: {NONE_ITEMS}"}
+# The releases of accelerate that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.20.0", "1.2.0")
 
 
 if __name__ == "__main__":

@@ -1,37 +1,46 @@
 """DeepSpeed <= 0.15.4 on torch >= 2.6 cannot load its own checkpoints: its loaders pass `weights_only=False`.
 
-torch 2.6 changed `torch.load`'s default to `weights_only=True`, which refuses any pickled object that is not a
-tensor or a plain container. DeepSpeed's checkpoints hold its own objects (the ZeRO optimizer's `LossScaler`
-and `ZeroStageEnum`, whatever the user passed as `client_state`), so on deepspeed <= 0.15.4 with torch >= 2.6
-`engine.load_checkpoint` fails with `UnpicklingError: Weights only load failed` at ZeRO stages 1-3 (and at
-stage 0 too once the checkpoint holds such an object). Upstream PR 6751 (0.16.0) passes `weights_only=False` in
-every `torch.load` of DeepSpeed's own files.
+torch 2.6 changed `torch.load`'s default to `weights_only=True`, which refuses any pickled object that is not a tensor
+or a plain container, and deepspeed <= 0.15.4 never says otherwise. DeepSpeed's checkpoints hold its own objects (the
+ZeRO optimizer's `LossScaler` and `ZeroStageEnum`, whatever the user passed as `client_state`), so with torch >= 2.6
+`engine.load_checkpoint` fails with `UnpicklingError: Weights only load failed` at ZeRO stages 1-3 (and at stage 0 too
+once `client_state` holds such an object), and so do loading a universal checkpoint (`"checkpoint": {"load_universal":
+true}`) and `zero_to_fp32` used as a module (`get_fp32_state_dict_from_zero_checkpoint`). Upstream PR 6751 (0.16.0)
+passes `weights_only=False` in every `torch.load` of DeepSpeed's own files. With torch < 2.6 the verdict is **not
+affected**.
 
 The patch does the same, in the loaders a training job or a user's code reaches in every release it gates
 (0.14.1-0.15.4, one released source each):
-- `TorchCheckpointEngine.load`: every file `engine.load_checkpoint` reads (model and ZeRO optimizer states,
-  a universal checkpoint's model states);
-- `ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir`: a universal checkpoint's `optimizer_state.pt`
-  (`"checkpoint": {"load_universal": true}`, ZeRO-1/2 and bf16);
+- `TorchCheckpointEngine.load`: every file `engine.load_checkpoint` reads (model and ZeRO optimizer states, a universal
+  checkpoint's model states);
+- `ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir`: a universal checkpoint's `optimizer_state.pt` (ZeRO-1/2
+  and bf16);
 - `deepspeed.utils.zero_to_fp32.parse_model_states` / `parse_optim_states`: `zero_to_fp32` used as a module
   (`get_fp32_state_dict_from_zero_checkpoint`, `load_state_dict_from_zero_checkpoint`).
 
-How: each target is rebuilt from the installed source (`txn.recode`) with one change: its `torch.load(...)`
-call gets the keyword `weights_only=False`, as in upstream's diff. Nothing else changes: `torch.load` itself
-keeps torch's default for every other caller (the user's own code included), a call that already names
-`weights_only` (or passes `**kwargs`) is left as it is, and `TORCH_FORCE_WEIGHTS_ONLY_LOAD=1` still wins
-(torch applies it over an explicit `weights_only=False`), so a user who asked for weights-only loading
-everywhere still gets it.
+How: each target is rebuilt from the installed source (`txn.recode`) with one change: its `torch.load(...)` call gets
+the keyword `weights_only=False`, as in upstream's diff. Nothing else changes: `torch.load` itself keeps torch's default
+for every other caller (the user's own code included), a call that already names `weights_only` (or passes `**kwargs`)
+is left as it is, and `TORCH_FORCE_WEIGHTS_ONLY_LOAD=1` still wins (torch applies it over an explicit
+`weights_only=False`), so a user who asked for weights-only loading everywhere still gets it. `weights_only=False`
+unpickles arbitrary objects, and a malicious pickle can run code: load only checkpoints you trust, exactly as with
+upstream >= 0.16.0.
 
-Not covered, and why: `zero_to_fp32.py` as copied into each checkpoint folder and `ds_to_universal` run as
-scripts (`__main__`, out of reach of an import hook; run them with `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`, or
-apply the upstream diff to the installed deepspeed, whose zero_to_fp32.py save_checkpoint then copies);
-ZeRO-3 universal loading (`DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state*`, 0.15.0-0.15.4 only: a
-target must exist in every release the patch gates, and no stack here runs 0.15.x); the Nebula engine (needs
-Azure's torch_nebula); the inference loaders' own torch.load calls, which read model weight files (plain
-state dicts) for inference, not DeepSpeed's training state (a DeepSpeed checkpoint given to the inference
-engine goes through TorchCheckpointEngine.load). Files written by ds_to_universal per parameter (`fp32.pt`, `exp_avg.pt`, ...) hold only tensors and
-plain values and load with weights_only=True, so `universal_checkpoint.load_hp_checkpoint_state` needs no fix.
+Not covered, and why:
+- `zero_to_fp32.py` as copied into each checkpoint folder by `save_checkpoint`, and `ds_to_universal`: they run as
+  scripts (`__main__`), out of reach of an import hook. Run them as `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 python
+  zero_to_fp32.py ...`, or apply `upstream_prs/deepspeed/0002-*.patch` to the installed deepspeed, after which newly
+  saved checkpoints carry a fixed script.
+- ZeRO-3 universal checkpoint loading (`DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state*`, 0.15.0-0.15.4 only): a
+  target must exist in every release the patch gates, and no stack here runs 0.15.x.
+- the Nebula engine (needs Azure's torch_nebula);
+- the inference loaders' own `torch.load` calls, which read model weight files (plain state dicts) for inference, not
+  DeepSpeed's training state (a DeepSpeed checkpoint given to the inference engine goes through
+  `TorchCheckpointEngine.load`).
+
+Files written by `ds_to_universal` per parameter (`fp32.pt`, `exp_avg.pt`, ...) hold only tensors and plain values and
+load with `weights_only=True`, so `universal_checkpoint.load_hp_checkpoint_state` needs no fix. 0.14.0 (which cannot
+import with torch 2.13 and loads universal checkpoints through other functions) is "unsupported".
 """
 
 from dspatch.spec import Patch, Signature
@@ -79,6 +88,7 @@ PATCH = Patch(
     id="deepspeed/checkpoint-weights-only",
     summary=("DeepSpeed cannot load its own checkpoints on torch >= 2.6 (weights_only default); its loaders "
              "pass weights_only=False as upstream does since 0.16.0"),
+    symptom="`UnpicklingError: Weights only load failed` in `engine.load_checkpoint` (torch >= 2.6)",
     distribution="deepspeed",
     affected="<=0.15.4",
     fixed_in="0.16.0",

@@ -213,3 +213,9 @@ EXPECTED_ON_STOCK = {
     "resume_zero_stages": "load_checkpoint: UnpicklingError: Weights only load failed at ZeRO stage 1",
     "zero_to_fp32_module": "get_fp32_state_dict_from_zero_checkpoint: UnpicklingError: Weights only load failed",
     "universal_checkpoint": "load_checkpoint of a universal checkpoint: UnpicklingError: Weights only load failed"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")
+# A version of each package the patch `requires` with the bug's need, and one without (release suite).
+OTHERS_WITH_AND_WITHOUT = ({"torch": "2.13.0"}, {"torch": "2.5.1"})
+# The test proving each target necessary (in one process with other checks), in place of test_proofs.py's.
+NECESSITY_PROVEN_BY = "test_checkpoint_weights_only.py::test_patched_stock_and_each_target_left_out_in_one_process"

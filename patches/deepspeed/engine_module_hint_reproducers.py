@@ -101,3 +101,5 @@ SCENARIOS = {"gpt2_engine_model": gpt2_engine_model, "reward_engine_model": rewa
 EXPECTED_ON_STOCK = {"gpt2_engine_model": "AttributeError: 'DeepSpeedEngine' object has no attribute 'model' (no",
                      "reward_engine_model": "AttributeError: 'DeepSpeedEngine' object has no attribute 'model' (no",
                      "pipeline_engine_model": "AttributeError: 'PipelineEngine' object has no attribute 'model' (no"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")

@@ -1,40 +1,42 @@
 """ZeRO-2/3 checkpoints name parameters as they are at save/load time, not by the objects seen at initialize.
 
 `DeepSpeedEngine.__init__` builds `self.param_names = {param: name}` from the model once, keyed by the Parameter
-*object*, and hands that same dict to its ZeRO/BF16 optimizers. Anything that puts a new Parameter object in the
-model afterwards (accelerate's `set_module_tensor_to_device`, which `dispatch_model` onto several devices or with
-offload uses; plain `module.weight = nn.Parameter(...)`) leaves a key that no longer is in the model and a
-parameter that has no key: at ZeRO >= 2 `save_checkpoint` then raises `ValueError: failed to find frozen
-Parameter containing: ... in named params` (`_get_zero_frozen_param_attributes`), and so does `load_checkpoint`
-into such a model (`load_module_state_dict`); the replaced tensor stays referenced by the stale key forever
-(deepspeedai/DeepSpeed issue 6620; PR 6626 open, unmerged; the thread snapshot available here shows the issue
-closed, yet 0.19.8's source fails exactly so). A *trainable* parameter replaced that way is worse:
-the optimizer keeps updating the old tensor, so the new one silently stops training, and a save writes the old
-values under its name.
+*object*, and hands that same dict to its ZeRO/BF16 optimizers. Anything that puts a new Parameter object in the model
+afterwards (accelerate's `set_module_tensor_to_device`, which `dispatch_model` onto several devices or with offload
+uses; plain `module.weight = nn.Parameter(...)`) leaves a key that no longer is in the model and a parameter that has no
+key: at ZeRO >= 2 `save_checkpoint` (and accelerate's `save_state`) then raises `ValueError: failed to find frozen
+Parameter containing: ... in named params` (`_get_zero_frozen_param_attributes`), and so does `load_checkpoint` into
+such a model (`load_module_state_dict`); the replaced tensor stays referenced by the stale key forever. A *trainable*
+parameter replaced that way is worse: the optimizer keeps updating the old tensor, so the new one silently stops
+training, and a save writes the old values under its name. Every release 0.14.0-0.19.8 checked; DeepSpeed issue 6620, PR
+6626 open and unmerged (the thread snapshot available here shows the issue closed, yet 0.19.8's source fails exactly
+so). Open upstream: the fingerprints of every release gate it.
 
 The fix: just before the three functions read `self.param_names`, it is brought up to date with
-`self.module.named_parameters()` *in place* (the optimizers share the same dict object, so they see it too):
-keys of frozen parameters that left the model are dropped (the replaced tensor can be freed), parameters that
-have no key get their current name. `_get_zero_param_shapes` (every save at ZeRO >= 1) and
-`load_module_state_dict` (every load) also check that each parameter the optimizer owns is still the model's
-parameter of that name, and raise a RuntimeError naming it and saying what to do when one was replaced. When
-nothing was replaced the dict is left untouched (bit-identical checkpoints). Cost: one `named_parameters()`
-walk per save/load call, nothing per step.
+`self.module.named_parameters()` *in place* (the optimizers share the same dict object, so they see it too): keys of
+frozen parameters that left the model are dropped (the replaced tensor can be freed), parameters that have no key get
+their current name. `_get_zero_param_shapes` (every save at ZeRO >= 1) and `load_module_state_dict` (every load) also
+check that each parameter the optimizer owns is still the model's parameter of that name, and raise a `RuntimeError`
+naming it and saying what to do when one was replaced. When nothing was replaced the dict is left untouched
+(bit-identical checkpoints), and round trips are exact. Cost: one `named_parameters()` walk per save/load call, nothing
+per step.
 
-How: each target is rebuilt from the installed source (`txn.recode`) with one statement added at the top of its
-body, a call of `refresh(self, ...)` from this module (builtins only: nothing is added to deepspeed).
+How: each target is rebuilt from the installed source (`txn.recode`) with one statement added at the top of its body, a
+call of `refresh(self, ...)` from this module (builtins only: nothing is added to deepspeed).
 
-Upstream PR 6626 (open, unmerged) could not be read for this patch: neither its diff nor its branch is in the
-reference corpus available here (only issue 6620's thread is, where the reporter proposed iterating
-`self.module.named_parameters()` inside `_get_zero_frozen_param_attributes` and a maintainer answered that
-DeepSpeed needs `param_names` to know every parameter). This patch goes further than that proposal, on
-purpose: it keeps `param_names` itself (the dict the ZeRO/BF16 optimizers hold) current instead of bypassing
-it in one function, so the optimizers' lookups (universal checkpoints) and the load path agree with the save
-path and no stale key pins a replaced, possibly offloaded, tensor; it covers `load_module_state_dict` too; and
-it turns the silent case (a replaced *trainable* parameter) into an error instead of saving the old tensor's
-values under its name.
-The upstream form is `upstream_prs/deepspeed/0004-*.patch` (a `_refresh_param_names` method called from the
-same three places).
+Known limits: at ZeRO-3 a replacement must itself be a ZeRO-3 parameter (made by a module built under
+`deepspeed.zero.Init`); a plain `nn.Parameter` cannot work there in any release. The replaced tensor is freed at the
+next save or load, not at the moment of replacement.
+
+Upstream PR 6626 (open, unmerged) could not be read for this patch: neither its diff nor its branch is in the reference
+corpus available here (only issue 6620's thread is, where the reporter proposed iterating
+`self.module.named_parameters()` inside `_get_zero_frozen_param_attributes` and a maintainer answered that DeepSpeed
+needs `param_names` to know every parameter). This patch goes further than that proposal, on purpose: it keeps
+`param_names` itself (the dict the ZeRO/BF16 optimizers hold) current instead of bypassing it in one function, so the
+optimizers' lookups (universal checkpoints) and the load path agree with the save path and no stale key pins a replaced,
+possibly offloaded, tensor; it covers `load_module_state_dict` too; and it turns the silent case (a replaced *trainable*
+parameter) into an error instead of saving the old tensor's values under its name. The upstream form is
+`upstream_prs/deepspeed/0004-*.patch` (a `_refresh_param_names` method called from the same three places).
 """
 
 from dspatch.spec import Patch, Signature
@@ -113,6 +115,7 @@ def apply(txn):
 PATCH = Patch(
     id="deepspeed/frozen-param-names",
     summary="ZeRO-2/3 save/load after a parameter object was replaced (accelerate dispatch): names looked up at use",
+    symptom="`ValueError: failed to find frozen Parameter containing: ... in named params` at save/load",
     distribution="deepspeed",
     affected=">=0",  # open upstream: no fixed release, the fingerprints decide
     fixed_in=None,

@@ -241,3 +241,5 @@ EXPECTED_ON_STOCK = {"zero2_frozen_replaced": "save_checkpoint: ValueError: fail
                      "load_after_replacement": "load_checkpoint: ValueError: failed to find frozen",
                      "trainable_replaced_refused": "a replaced trainable weight was saved silently",
                      "accelerate_set_module_tensor": "save_state: ValueError: failed to find frozen"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")

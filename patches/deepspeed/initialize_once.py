@@ -1,11 +1,10 @@
-"""A second `deepspeed.initialize` on a model or optimizer a live engine already holds: refused when it would
-corrupt that engine (before anything changes), a warning where it is harmless.
+"""A second `deepspeed.initialize` on what a live engine holds: refused where it would corrupt it, else a warning.
 
-No release (0.14.0-0.19.8) checks whether the model, or the client optimizer, given to `deepspeed.initialize` is
-already in use by an engine. A second call installs DeepSpeed's state on the same objects a second time.
-What that does, seen on CPU with the real code (a 2-layer MLP; first engine trained two steps, then the second
-call; "first engine" = its next steps compared bit for bit with an identical engine that saw no second call;
-every row is a test, tests/test_initialize_once.py::test_table):
+No release (0.14.0-0.19.8) checks whether the model, or the client optimizer, given to `deepspeed.initialize` is already
+in use by an engine. A second call installs DeepSpeed's state on the same objects a second time. What that does on
+stock, seen on CPU with the real code (a 2-layer MLP; the first engine trained two steps, then the second call; "first
+engine" = its next steps compared bit for bit with an identical engine that saw no second call, between engines that are
+not the first of their process; every row is a test, tests/test_initialize_once.py::test_table):
 
 | second call (first engine's ZeRO stage -> second's) | deepspeed 0.14.4 (and 0.16.3) | deepspeed 0.19.8 |
 |---|---|---|
@@ -18,53 +17,55 @@ every row is a test, tests/test_initialize_once.py::test_table):
 | same client optimizer, ZeRO 3 | the second call raises `IndexError` part-way; the first engine fails | same |
 | same client optimizer, ZeRO 0 | both engines train; first unchanged | same |
 | a different model, any stage | allowed (DeepSpeed-Chat builds four engines) | same |
-| same model after `first.destroy()` | allowed, the new engine trains | same |
+| same model after `first.destroy()` (ZeRO-2) | allowed, the new engine trains | same |
 | same model, the first an inference engine (no optimizer) at ZeRO-3 that ran one forward, 3 -> 3 | 0.14.4: both train; 0.16.3: the second engine's first forward: `IndexError: pop from an empty deque` | same as 0.16.3 |
 | same model, the first an inference engine that ran two forwards, 3 -> 3; or at ZeRO-0, 0 -> 2 / 0 -> 3 | the second engine trains as if the first had never been | same |
 
-The inference rows are what trl 1.9-1.16 (reference log-probs precomputed under DeepSpeed, `prepare_deepspeed`)
-and the Trainer (`evaluate()` before `train()`) do: an engine with no optimizer runs forwards, then the training
-engine is built on the same model. That is not a second training engine, and it trains on stock (but for the deque
-after a single ZeRO-3 forward), so it is never refused, and goes through exactly as on stock. Taking the inference
-engine off the model is its caller's to do, before the next engine is built: dspatch's
-trl/precompute-ref-zero3-engine and transformers/trainer-stale-deepspeed-engine do it for trl and the Trainer
-(patches/engine_handover.py). Done here instead, inside the second `deepspeed.initialize`, it broke a run that trains
-on stock: LoRA DPO with a precomputed reference and gradient checkpointing at ZeRO-3 then fails in backward
-(`CheckpointError`: weights recomputed with shape [0], deepspeed 0.19.8), where with the inference engine left alone
-it trains.
+(Re-initializing a destroyed ZeRO-3 model fails on stock 0.16.3 with `pop from an empty deque`, patched or not: not
+something dspatch allows or refuses.)
+
+The inference rows are what trl 1.9-1.16 (reference log-probs precomputed under DeepSpeed, `prepare_deepspeed`) and the
+Trainer (`evaluate()` before `train()`) do: an engine with no optimizer runs forwards, then the training engine is built
+on the same model. That is not a second training engine, and it trains on stock (but for the deque after a single ZeRO-3
+forward), so it is never refused, and goes through exactly as on stock. Taking the inference engine off the model is its
+caller's to do, before the next engine is built: dspatch's trl/precompute-ref-zero3-engine and
+transformers/trainer-stale-deepspeed-engine do it for trl and the Trainer (patches/engine_handover.py). Done here
+instead, inside the second `deepspeed.initialize`, it broke a run that trains on stock: LoRA DPO with a precomputed
+reference and gradient checkpointing at ZeRO-3 then fails in backward (`CheckpointError`: weights recomputed with shape
+[0], deepspeed 0.19.8), where with the inference engine left alone it trains.
 
 So with the patch, before the call reaches DeepSpeed:
-- the model (or an engine passed as the model) or the client optimizer is owned by a live engine and either that
-  engine or the new call uses gradient hooks or partitioning (ZeRO stage >= 2, stage 1 with `overlap_comm`), or
-  the optimizer is shared at ZeRO >= 1, or the new call's ZeRO stage cannot be read (a config that is neither a
-  dict nor a JSON file): `InitializeTwiceError` (a RuntimeError) naming the object, the live engine, its
-  stage and the code that built it (the first frame outside deepspeed, e.g. `accelerate/accelerator.py:1980 in
-  _prepare_deepspeed`), and what to do (keep the first engine, `destroy()` it first, or pass a fresh copy). Nothing has changed;
-  the first engine trains on bit-identically.
-- the live engine holding the model is an inference engine (built with no optimizer, given or configured), and the
-  new call does not leave ZeRO-3 partitions under a non-ZeRO-3 engine: through, silently, as on stock.
-- otherwise (ZeRO 0/1 without hooks on both sides, harmless): one `UserWarning` per process, and the call goes
-  through as stock.
+- the model (or an engine passed as the model) or the client optimizer is owned by a live engine and either that engine
+  or the new call uses gradient hooks or partitioning (ZeRO stage >= 2, stage 1 with `overlap_comm`), or the optimizer
+  is shared at ZeRO >= 1, or the new call's ZeRO stage cannot be read (a config that is neither a dict nor a JSON file),
+  or a ZeRO-3 inference engine's partitions would be handed to a non-ZeRO-3 engine: `InitializeTwiceError` (a
+  `RuntimeError`) naming the object, the live engine, its stage and the code that built it (the first frame outside
+  deepspeed, e.g. `accelerate/accelerator.py:1980 in _prepare_deepspeed` or `trl/models/utils.py:287 in
+  prepare_deepspeed`), and what to do (keep the first engine, `destroy()` it first, or pass a fresh copy). Nothing has
+  changed; the first engine trains on bit-identically.
+- the live engine holding the model is an inference engine (built with no optimizer, given or configured), and the new
+  call does not leave ZeRO-3 partitions under a non-ZeRO-3 engine: through, silently, as on stock.
+- otherwise (ZeRO 0/1 without hooks on both sides, harmless): one `UserWarning` per process, and the call goes through
+  as stock.
 - different models, and a model whose engine was `destroy()`ed (or garbage-collected), pass silently.
 
-Ownership is kept in this module as weak references keyed by `id()` (checked with `ref() is obj`), never on the
-user's objects: a marker attribute (upstream PR 6874 sets `ds_is_inited = True`) would be copied by
-`copy.deepcopy(model)` and pickled with it, so a deep copy made for a reference/EMA model would be refused, and it
-stays set after `destroy()`. Weak references keep nothing alive and are gone with the engine.
+Ownership is kept in this module as weak references keyed by `id()` (checked with `ref() is obj`), never on the user's
+objects: a marker attribute (upstream PR 6874 sets `ds_is_inited = True`) would be copied by `copy.deepcopy(model)` and
+pickled with it, so a deep copy made for a reference/EMA model would be refused, and it stays set after `destroy()`.
+Weak references keep nothing alive and are gone with the engine.
 
-Targets: `deepspeed.initialize` (wrapped: one check per call, nothing per step) and `DeepSpeedEngine.destroy`
-(wrapped: forgets the engine's ownership after a successful destroy). The wrap replaces the attribute of the
-`deepspeed` module, so it covers callers that look it up at call time: `deepspeed.initialize(...)` (scripts,
-DeepSpeed-Chat, trl's `prepare_deepspeed`, accelerate 0.34.2 `deepspeed.initialize(**kwargs)` and 1.x
-`ds_initialize = deepspeed.initialize` inside `_prepare_deepspeed`, transformers through accelerate). A
-`from deepspeed import initialize` bound *before* the patch applied keeps the stock function (with `DSPATCH=1`
-the patch applies when `deepspeed` finishes importing, before any user code can bind it). Engines created before
-a late `dspatch.apply()` are unknown to the guard.
+Targets: `deepspeed.initialize` (wrapped: one check per call, nothing per step) and `DeepSpeedEngine.destroy` (wrapped:
+forgets the engine's ownership after a successful destroy). The wrap replaces the attribute of the `deepspeed` module,
+so it covers callers that look it up at call time: `deepspeed.initialize(...)` (scripts, DeepSpeed-Chat, trl's
+`prepare_deepspeed`, accelerate 0.34.2 `deepspeed.initialize(**kwargs)` and 1.x `ds_initialize = deepspeed.initialize`
+inside `_prepare_deepspeed`, transformers through accelerate). A `from deepspeed import initialize` bound *before* the
+patch applied keeps the stock function (with `DSPATCH=1` the patch applies when `deepspeed` finishes importing, before
+any user code can bind it). Engines created before a late `dspatch.apply()` are unknown to the guard.
 
-Compared with upstream PR 6874 (open): it raises on any second call with a marked object, including the harmless
-ZeRO-0/1 cases and after `destroy()`, and marks the objects themselves (copied by deepcopy, see above). This
-patch refuses exactly where the table shows corruption, warns elsewhere, and forgets an engine on `destroy()`.
-Not covered: two *different* model objects sharing parameters (tied modules passed separately).
+Upstream: DeepSpeed issue 6772, and PR 6874 (open), which raises on any second call with a marked object, including the
+harmless ZeRO-0/1 cases and after `destroy()`, and marks the objects themselves (copied by deepcopy, see above). This
+patch refuses exactly where the table shows corruption, warns elsewhere, and forgets an engine on `destroy()`. Not
+covered: two *different* model objects sharing parameters (tied modules passed separately).
 """
 from dspatch.spec import Patch
 
@@ -295,6 +296,7 @@ PATCH = Patch(
     id=PID,
     summary=("A second deepspeed.initialize on a model/optimizer a live engine holds is refused before it "
              "corrupts that engine (ZeRO-2 hooks, ZeRO-3 partitions, optimizer groups); harmless reuse warns once"),
+    symptom="the first engine breaks: `no attribute 'ipg_index'`, `has already been reduced`, `KeyError`",
     distribution="deepspeed",
     affected=">=0",  # open upstream in every release: the fingerprints decide
     fixed_in=None,

@@ -1,39 +1,41 @@
-"""ZeRO-3 + frozen weights (LoRA, QLoRA) + non-reentrant activation checkpointing trains instead of raising
-`CheckpointError: Recomputed values ... have different metadata` (a frozen weight seen with shape [0]).
+"""ZeRO-3 + frozen weights + non-reentrant activation checkpointing trains instead of raising `CheckpointError`.
 
-In backward, torch's non-reentrant checkpoint recomputes a block's forward to get its saved tensors back; that
-re-runs ZeRO-3's forward hooks, and the post-hook partitions every parameter of a submodule in place
-(`param.data = torch.empty(0)`). torch keeps a live, undetached reference to a saved tensor that does not require
-grad (`x.detach() if x.requires_grad else x`): a trainable weight is saved as a detached alias and keeps its
+ZeRO-3 with frozen weights (LoRA, QLoRA) and non-reentrant gradient checkpointing (the default from transformers 5.0,
+and on 4.x whenever `gradient_checkpointing_kwargs={"use_reentrant": False}` is passed) fails at the first backward with
+`CheckpointError: Recomputed values for the following tensors have different metadata than during the forward pass` (a
+frozen weight seen with shape `[0]`). In backward, torch's non-reentrant checkpoint recomputes a block's forward to get
+its saved tensors back; that re-runs ZeRO-3's forward hooks, and the post-hook partitions every parameter of a submodule
+in place (`param.data = torch.empty(0)`). torch keeps a live, undetached reference to a saved tensor that does not
+require grad (`x.detach() if x.requires_grad else x`): a trainable weight is saved as a detached alias and keeps its
 shape, a frozen one is the Parameter itself, so partitioning it shrinks the very tensor the recompute is about to
-validate (and that the backward would read). Typical hit: `weight * hidden` in an RMSNorm of a LoRA model
-(a frozen Linear saves `weight.t()`, a view, which is not affected). Non-reentrant is the default from
-transformers 5.0 and on 4.x whenever `use_reentrant=False` is passed. Fixed upstream in deepspeed 0.19.3
-(PR 8148, building on PR 8130).
+validate (and that the backward would read). Typical hit: `weight * hidden` in an RMSNorm of a LoRA model (a frozen
+Linear saves `weight.t()`, a view, which is not affected). Every release 0.14.0-0.19.2 (five source bands); fixed
+upstream in deepspeed 0.19.3 (PR 8148, building on PR 8130). Upstream threads: transformers issue 47254, trl issue 2514,
+DeepSpeed issue 4332.
 
-The fix (PR 8130's rule, which PR 8148 kept): a *forward* release that runs inside a backward pass (a
-checkpoint recompute: `torch._C._current_graph_task_id() != -1`) leaves the submodule's frozen parameters
-gathered; the backward of that submodule, which runs next, releases them as it releases everything else.
-Trainable parameters are released as before (their memory profile is unchanged). Upstream PR 8148 also
-releases, at the end of the backward pass, frozen parameters whose submodule backward never ran (a block input
-that does not require grad registers no post-backward hook; on 0.16.0-0.16.7 a recomputed module's count of
-pending gradients keeps growing, so its post-backward release never runs again); this patch does the same, with a
-callback queued once per backward pass on torch's autograd engine, which runs the coordinator's own
-`release_sub_module` again for the submodules whose held parameters are still gathered (it drops that submodule's
-own mark and releases only what no other submodule uses).
+The fix (PR 8130's rule, which PR 8148 kept): a *forward* release that runs inside a backward pass (a checkpoint
+recompute: `torch._C._current_graph_task_id() != -1`) leaves the submodule's frozen parameters gathered; the backward of
+that submodule, which runs next, releases them as it releases everything else. Trainable parameters are released as
+before (their memory profile is unchanged). Upstream PR 8148 also releases, at the end of the backward pass, frozen
+parameters whose submodule backward never ran (a block input that does not require grad registers no post-backward hook;
+on 0.16.0-0.16.7 a recomputed module's count of pending gradients keeps growing, so its post-backward release never runs
+again); this patch does the same, as upstream's `release_backward_leftovers` does, with a callback queued once per
+backward pass on torch's autograd engine, which runs the coordinator's own `release_sub_module` again for the submodules
+whose held parameters are still gathered (it drops that submodule's own mark and releases only what no other submodule
+uses). Losses and trained weights are bit-identical to reentrant checkpointing and to no checkpointing (tested, with
+plain `torch.utils.checkpoint` and with a Trainer + peft LoRA).
 
-How: one wrapper (wrapt) around `DeepSpeedZeRoOffload.post_sub_module_forward_function`, the forward-release
-hook, which is the one place that knows a release is a forward one in every affected release (the coordinator's
-`release_sub_module` has a `forward` flag only since 0.17.0). Inside a backward pass only, around the call it
-marks the submodule's gathered frozen parameters `is_external_param` (the flag `release_sub_module` already
-skips, both in its release and in its fast-sharding buffer swap) and puts the flag back right after. Outside a
-backward pass (every ordinary forward) the wrapper only asks torch for the graph task id: nothing else runs, so a
-job that does not recompute is bit-identical to stock.
+How: one wrapper (wrapt) around `DeepSpeedZeRoOffload.post_sub_module_forward_function`, the forward-release hook, which
+is the one place that knows a release is a forward one in every affected release (the coordinator's `release_sub_module`
+has a `forward` flag only since 0.17.0). Inside a backward pass only, around the call it marks the submodule's gathered
+frozen parameters `is_external_param` (the flag `release_sub_module` already skips, both in its release and in its
+fast-sharding buffer swap) and puts the flag back right after. Outside a backward pass (every ordinary forward) the
+wrapper only asks torch for the graph task id: nothing else runs, so a job that does not recompute is bit-identical to
+stock.
 
-Not the coordinator's code itself: deepspeed/zero3-module-id rebuilds `release_sub_module` (and this hook) from
-the installed source on <= 0.16.3, and two rebuilds of one function do not compose (the second would start from
-the installed source and drop the first, so dspatch refuses it); a wrapper composes with a rebuild in either
-order.
+Not the coordinator's code itself: deepspeed/zero3-module-id rebuilds `release_sub_module` (and this hook) from the
+installed source on <= 0.16.3, and two rebuilds of one function do not compose (the second would start from the
+installed source and drop the first, so dspatch refuses it); a wrapper composes with a rebuild in either order.
 """
 from dspatch.spec import Patch, Signature
 
@@ -104,6 +106,7 @@ PATCH = Patch(
     id="deepspeed/zero3-frozen-checkpointing",
     summary=("ZeRO-3 + frozen weights (LoRA) + non-reentrant gradient checkpointing: CheckpointError (a frozen weight "
              "seen with shape [0]); frozen weights stay gathered through the recompute, as upstream since 0.19.3"),
+    symptom="`CheckpointError: Recomputed values ... have different metadata` (frozen weight, shape [0])",
     distribution="deepspeed",
     affected="<0.19.3",
     fixed_in="0.19.3",

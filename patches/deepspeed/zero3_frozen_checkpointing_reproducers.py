@@ -191,3 +191,5 @@ SCENARIOS = {"checkpoint_frozen_weight": checkpoint_frozen_weight,
 EXPECTED_ON_STOCK = {"checkpoint_frozen_weight": f"CheckpointError: {CHECKPOINT_ERROR}",
                      "accumulation_releases_frozen": f"CheckpointError: {CHECKPOINT_ERROR}",
                      "trainer_lora_non_reentrant": f"CheckpointError: {CHECKPOINT_ERROR}"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")

@@ -1,11 +1,27 @@
 """ZeRO-3 overwrites a user's `module.id`; DeepSpeed's counter moves to `ds_id`, upstream's name since 0.16.4.
 
-DeepSpeed <= 0.16.3 numbers every submodule with `module.id = n` when it registers its ZeRO-3 hooks, and its
-parameter coordinator keys the fetch/release bookkeeping on `module.id`. So (a) a model's own `.id` is lost
-at `deepspeed.initialize`, and (b) user code that sets `.id` afterwards (expert placement) corrupts that
-bookkeeping. Upstream PR 6847 renamed the attribute to `ds_id` in 0.16.4. This patch does the same rename,
-in every function that writes or reads it, on the installed source; and (c) it refuses to overwrite a
-`ds_id` that DeepSpeed did not set, instead of clobbering it silently.
+DeepSpeed <= 0.16.3 numbers every submodule with `module.id = n` when it registers its ZeRO-3 hooks, and its parameter
+coordinator keys its fetch/release bookkeeping on `module.id`. So (a) a model's own `.id` (expert placement in MoE
+models) is overwritten at `deepspeed.initialize`, and (b) code that sets `.id` afterwards, during training, corrupts
+that bookkeeping: `IndexError: pop from an empty deque` while the prefetch trace is recorded. Upstream renamed the
+attribute to `ds_id` in 0.16.4 (PR 6847; issue 6772).
+
+The patch makes the same rename, to the same name, so code written for newer releases behaves the same, in all nine
+functions that write or read it: every function of the package that touches `.id` in every affected release but one,
+`deepspeed/utils/debug.py:debug_module2name_id`, dead code that nothing calls and that upstream's own fix left alone too
+(a test checks the whole package of each release). And (c) it refuses, with a clear `ValueError`, to overwrite a `ds_id`
+that DeepSpeed did not set, instead of clobbering it silently: a check written into the registration itself, which also
+remembers DeepSpeed's own number on the module, so that a re-registration (`unwrap_model_for_generation`, a deepcopy or
+a pickle of a ZeRO-3 model) is recognised.
+
+How: each of the nine functions is recompiled in place from the installed source with that one rename (and, in the
+registration, the guard). No wrapper: a step runs upstream's bytecode with one attribute name changed, and upstream's
+decorators and anyone else's wrapper around these functions keep calling them.
+
+Refused: engines built before the patch number their modules with `.id`, after it with `.ds_id`, so a late
+`dspatch.apply()`, or a revert, while a ZeRO-3 engine exists in the process is refused (DeepSpeed keeps every engine
+reachable, so any engine ever built counts). Apply dspatch before the first `deepspeed.initialize` (`DSPATCH=1`, or
+`dspatch.apply()` first).
 """
 import sys
 
@@ -103,6 +119,7 @@ def zero3_engines_alive():
 PATCH = Patch(
     id="deepspeed/zero3-module-id",
     summary="ZeRO-3 overwrites a user's module.id; DeepSpeed's counter moves to ds_id (upstream name since 0.16.4)",
+    symptom="`IndexError: pop from an empty deque`; a model's own `module.id` overwritten",
     distribution="deepspeed",
     affected="<=0.16.3",
     fixed_in="0.16.4",

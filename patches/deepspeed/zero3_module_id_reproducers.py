@@ -146,3 +146,5 @@ SCENARIOS = {"user_id_survives": user_id_survives, "placement_during_training": 
 EXPECTED_ON_STOCK = {"user_id_survives": "expert ids [0, 1, 2, 3] became",
                      "placement_during_training": "IndexError: pop from an empty deque",
                      "module_order_changes": "expert ids [0, 1, 2, 3] became"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")

@@ -137,3 +137,5 @@ SCENARIOS = {"trainer_lm_head": trainer_lm_head, "seq_cls_head": seq_cls_head}
 EXPECTED_ON_STOCK = {"trainer_lm_head": f"first step at ZeRO-3: AttributeError: 'Linear' {MISSING}",
                      "seq_cls_head": f"first step at ZeRO-3: AttributeError: 'Linear' {MISSING}"}
 BAND_CHECK = "seq_cls_head"
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")

@@ -203,3 +203,5 @@ def generation_through_trls_unwrap():
 SCENARIOS = {"generation_through_deepspeeds_unwrap": generation_through_deepspeeds_unwrap,
              "generation_through_trls_unwrap": generation_through_trls_unwrap}
 EXPECTED_ON_STOCK = {"generation_through_deepspeeds_unwrap": f"after generation: IndexError: {DEQUE}"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")

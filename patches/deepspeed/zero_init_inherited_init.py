@@ -1,22 +1,24 @@
-"""Leaving `deepspeed.zero.Init` no longer gives a class that only inherits its `__init__` the `__init__` of an
-ancestor (deepspeed 0.15.1-0.17.5; fixed 0.17.6, PR 7566).
+"""Leaving `deepspeed.zero.Init` no longer gives a class that only inherits `__init__` the `__init__` of an ancestor.
 
 While `zero.Init` is active, every `nn.Module` subclass that defines its own `__init__` runs it wrapped (0.15.1, PR
 6388, stopped wrapping the others), the original kept in `cls._old_init`. Leaving it (`__exit__`, and
 `deepspeed.initialize`, which shuts the context down) puts `cls.__init__ = cls._old_init` back on every subclass that
 *has* an `_old_init`, an inherited one included: a class with no `__init__` of its own gets its nearest wrapped
 ancestor's written into its `__dict__`, which now comes before anything between them in its MRO. transformers 4.54+
-builds its sequence-classification (and token, QA) heads that way: `LlamaForSequenceClassification(
-GenericForSequenceClassification, LlamaPreTrainedModel)` has no `__init__`; the mixin's, which makes `model` and
-`score`, is not an `nn.Module`'s. After the first `zero.Init` exit of a process, every such model built is empty: 0
-parameters, the checkpoint's weights "not used". A reward model loaded under ZeRO-3 then fails when DeepSpeed wraps
-it (`IndexError: list index out of range` in `parameter_offload.py`, GRPO with a reward model on deepspeed 0.16.3 and
-transformers 4.57.6), or trains nothing.
+builds its sequence-classification (and token, QA) heads that way:
+`LlamaForSequenceClassification(GenericForSequenceClassification, LlamaPreTrainedModel)` has no `__init__`; the mixin's,
+which makes `model` and `score`, is not an `nn.Module`'s. After the first `zero.Init` exit of a process, every such
+model built is empty: 0 parameters, the checkpoint's weights "not used". A reward model loaded under ZeRO-3 then fails
+when DeepSpeed wraps it, or trains nothing. Found by the no-harm matrix: GRPO with a reward model at ZeRO-3 on the mid
+stack (deepspeed 0.16.3, transformers 4.57.6) fails on stock with `IndexError: list index out of range` in
+`parameter_offload.py` (the empty reward model wrapped by DeepSpeed). deepspeed 0.15.1-0.17.5; fixed in 0.17.6 (PR
+7566).
 
-The fix, upstream's: the exit restores `__init__` only on the classes that define one. `unpatch_init_and_builtins`
-is rebuilt from the installed source with that condition added (`'__init__' in cls.__dict__`), nothing per call.
-A class already damaged in the process before the patch applied stays damaged: with `DSPATCH=1` the patch applies
-when deepspeed is imported, before any `zero.Init` exits.
+The fix, upstream's: the exit restores `__init__` only on the classes that define one. `unpatch_init_and_builtins` is
+rebuilt from the installed source with that condition added (`'__init__' in cls.__dict__`), nothing per call. A class
+already damaged in the process before the patch applied stays damaged: with `DSPATCH=1` the patch applies when deepspeed
+is imported, before any `zero.Init` exits. Proven on the mid and bridge stacks with a model class of that shape (no
+transformers needed), and by the matrix's GRPO cell on mid.
 """
 from dspatch.spec import Patch, Signature
 
@@ -44,6 +46,7 @@ PATCH = Patch(
     id=PID,
     summary=("leaving zero.Init gives a class that only inherits __init__ (transformers 4.54+'s Generic* heads) "
              "no ancestor's __init__: later models of that class are built whole (no empty reward model)"),
+    symptom="models whose class only inherits `__init__` built empty; `list index out of range`",
     distribution="deepspeed",
     affected=">=0.15.1,<0.17.6",
     fixed_in="0.17.6",

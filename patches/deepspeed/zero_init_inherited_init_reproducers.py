@@ -62,3 +62,5 @@ def reward_model_after_zero_init():
 SCENARIOS = {"reward_model_after_zero_init": reward_model_after_zero_init}
 EXPECTED_ON_STOCK = {"reward_model_after_zero_init": "a class with no __init__ of its own, built after zero.Init was "
                                                      "left: its mixin's __init__ never ran"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")

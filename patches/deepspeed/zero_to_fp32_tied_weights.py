@@ -1,18 +1,27 @@
 """`zero_to_fp32` with `safe_serialization=True` writes a model with tied weights (deepspeed 0.15.3-0.19.8, open).
 
-Converting a ZeRO-2/3 checkpoint recovers a tied parameter (`lm_head.weight` tied to `model.embed_tokens.weight`,
-as in most decoder-only models) by pointing its name at the tensor it is tied to, and the shard to write keeps
-that aliasing. `torch.save` stores shared memory once; `safetensors.torch.save_file` refuses it: `RuntimeError:
-Some tensors share memory, this will lead to duplicate memory on disk and potential differences when loading them
-again: [{'lm_head.weight', 'model.embed_tokens.weight'}]`, and nothing is written. Every release with
-`safe_serialization` (0.15.3 on) has it; DeepSpeed PR 8376 is open.
+Converting a ZeRO-2/3 checkpoint of a model with tied weights (`lm_head.weight` tied to `model.embed_tokens.weight`, as
+in most decoder-only models) recovers the tied name as the very tensor it is tied to, and the shard to write keeps that
+aliasing. `torch.save` stores shared memory once; `safetensors.torch.save_file` refuses it: `RuntimeError: Some tensors
+share memory, this will lead to duplicate memory on disk and potential differences when loading them again:
+[{'lm_head.weight', 'model.embed_tokens.weight'}]`, and nothing is written. Every release with `safe_serialization`
+(0.15.3 on, 0.19.8 included) has it; DeepSpeed PR 8376 is open, so the patch is gated by fingerprint: a later release
+with the same converter source gets the fix, a changed one is reported.
 
-The fix: the converter is rebuilt from the installed source with the shard it hands to `save_file` passed through
-`untie` (this module) first, which gives every tensor that overlaps the memory of an earlier one in the shard its
-own copy. The file then holds both names with equal values, which `from_pretrained` (it ties them again) and a
-strict `load_state_dict` both read; the pickle path (`torch.save`) is untouched, and a shard with no shared memory
-is passed on as it is. The `zero_to_fp32.py` copy DeepSpeed puts in each checkpoint folder runs as a script, where
-no import hook reaches: call the function from Python (with DSPATCH on) or apply the diff to that copy.
+The fix: the converter (`convert_zero_checkpoint_to_fp32_state_dict`, from 0.19.7
+`convert_zero_checkpoint_to_state_dict`, which the fp32 function calls) is rebuilt from the installed source with the
+shard it hands to `save_file` passed through `untie` (this module) first, which gives every tensor that overlaps the
+memory of an earlier one in the shard its own copy. The file then holds both names with equal values, which
+`from_pretrained` (it ties them again) and a strict `load_state_dict` both read; the pickle path (`torch.save`) is
+untouched, and a shard with no shared memory is passed on as it is. Decided: a copy rather than dropping the tied name,
+since a file with both names loads with a strict `load_state_dict` as well as with transformers (it costs one tensor's
+memory while its shard is written). Proven at ZeRO-2 and ZeRO-3 on the bridge, mid and latest stacks: the file holds the
+trained weights bit for bit, and `from_pretrained` loads it tied, with the trained model's logits.
+
+Not reachable: the copy of `zero_to_fp32.py` that `save_checkpoint` puts in each checkpoint folder runs as a script,
+which no import hook sees. There, call `deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(...)`
+from Python with `DSPATCH=1`, or apply the diff to the installed deepspeed (later checkpoints get the fixed copy) or to
+the copy.
 """
 from dspatch.spec import Patch, Signature, Target
 
@@ -73,6 +82,7 @@ PATCH = Patch(
     id="deepspeed/zero-to-fp32-tied-weights",
     summary=("zero_to_fp32 with safe_serialization writes a model with tied weights (embeddings / lm_head) instead "
              "of `RuntimeError: Some tensors share memory`"),
+    symptom="`RuntimeError: Some tensors share memory`, no file written (tied embeddings / `lm_head`)",
     distribution="deepspeed",
     affected=">=0.15.3",  # open upstream (no fixed_in): the fingerprints decide for releases after 0.19.8
     fixed_in=None,

@@ -86,3 +86,5 @@ def convert_tied_zero3():
 SCENARIOS = {"convert_tied_zero2": convert_tied_zero2, "convert_tied_zero3": convert_tied_zero3}
 EXPECTED_ON_STOCK = {"convert_tied_zero2": f"ZeRO-2: RuntimeError: {SHARED}",
                      "convert_tied_zero3": f"ZeRO-3: RuntimeError: {SHARED}"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")

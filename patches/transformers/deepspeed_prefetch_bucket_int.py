@@ -1,15 +1,19 @@
 """An `"auto"` ZeRO-3 config starts on deepspeed >= 0.15 (transformers 4.38.0-4.44.2).
 
-The Trainer fills the `"auto"` entries of a DeepSpeed config from the model (`HfTrainerDeepSpeedConfig.
-trainer_config_finalize`); for ZeRO-3's `stage3_prefetch_bucket_size` it writes `0.9 * hidden_size * hidden_size`,
-a float. deepspeed >= 0.15 validates its config with pydantic 2, whose `int` field refuses a float with a fraction:
-`ValidationError: 1 validation error for DeepSpeedZeroConfig stage3_prefetch_bucket_size Input should be a valid
-integer, got a number with a fractional part`, and the documented `"auto"` ZeRO-3 config cannot start once
-deepspeed is upgraded (DeepSpeed issue 6525 and its duplicates). transformers 4.45.0 fixed it (PR 33402) by
-rounding to an int; older deepspeed accepted the float, so the gate needs both packages (`requires`).
+The Trainer fills the `"auto"` entries of a DeepSpeed config from the model
+(`HfTrainerDeepSpeedConfig.trainer_config_finalize`); for ZeRO-3's `stage3_prefetch_bucket_size` it writes `0.9 *
+hidden_size * hidden_size`, a float. deepspeed >= 0.15 validates its config with pydantic 2, whose `int` field refuses a
+float with a fraction: `ValidationError: 1 validation error for DeepSpeedZeroConfig stage3_prefetch_bucket_size Input
+should be a valid integer, got a number with a fractional part`, and the documented `"auto"` ZeRO-3 config cannot start
+once deepspeed is upgraded (DeepSpeed issue 6525 and its duplicates). transformers 4.45.0 fixed it (PR 33402) by
+rounding to an int; older deepspeed accepted the float, so the gate needs both packages (`requires`: deepspeed >= 0.15).
 
-The fix does the same: `trainer_config_finalize` is rebuilt from the installed source with that one expression
-wrapped in `int(...)` (`txn.recode`).
+The fix does the same: `trainer_config_finalize` is rebuilt from the installed source with that one expression wrapped
+in `int(...)` (`txn.recode`).
+
+No stack of the test matrix pairs these releases, so a session of its own, `tf444_ds16` (transformers 4.44.2, deepspeed
+0.16.3, accelerate 0.34.2), runs this patch's proofs only: a Trainer with the auto config fails on stock and trains
+patched, DeepSpeed getting `921` for a hidden size of 32.
 """
 from dspatch.spec import Patch, Signature
 
@@ -53,6 +57,7 @@ PATCH = Patch(
     id="transformers/deepspeed-prefetch-bucket-int",
     summary=("The Trainer fills an \"auto\" ZeRO-3 stage3_prefetch_bucket_size with an int: the documented auto config "
              "starts on deepspeed >= 0.15 (no pydantic ValidationError)"),
+    symptom="`ValidationError`: `stage3_prefetch_bucket_size` ... got a number with a fractional part",
     distribution="transformers",
     affected="<4.45.0",
     fixed_in="4.45.0",

@@ -47,3 +47,7 @@ def auto_zero3_config_trains():
 
 SCENARIOS = {"auto_zero3_config_trains": auto_zero3_config_trains}
 EXPECTED_ON_STOCK = {"auto_zero3_config_trains": "refused the Trainer's \"auto\" ZeRO-3 config: ValidationError"}
+# The releases of transformers that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("4.36.0", "4.46.0")
+# A version of each package the patch `requires` with the bug's need, and one without (release suite).
+OTHERS_WITH_AND_WITHOUT = ({"deepspeed": "0.16.3"}, {"deepspeed": "0.14.4"})

@@ -1,34 +1,36 @@
 """A PEFT model trained with ZeRO-3 saves its adapter, not an empty 40-byte file (transformers 4.44.0-4.57.6).
 
-With the Trainer, DeepSpeed ZeRO-3 and a PEFT model (LoRA...), and `stage3_gather_16bit_weights_on_model_save`
-left at its default (false), `trainer.save_model(dir)` and every periodic `checkpoint-N` write an
-`adapter_model.safetensors` with no tensor in it (40 bytes), with no error: the trained adapter is lost.
-Why: `Trainer.save_model` asks accelerate's `get_state_dict` for the weights; at ZeRO-3 without that flag it
-raises ValueError; the Trainer logs " stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint
-instead", calls `_save(dir, state_dict={})` and writes DeepSpeed's full checkpoint into `dir`. PEFT's
-`save_pretrained` uses its own state dict only when given None, so it filters the empty dict and writes an
-empty adapter. Upstream fixed it in transformers 5.0.0 (PR 41416): for PEFT at ZeRO-3 the Trainer takes the
-state dict from DeepSpeed itself (`_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`).
+With the Trainer, DeepSpeed ZeRO-3 and a PEFT model (LoRA...), and `stage3_gather_16bit_weights_on_model_save` left at
+its default (false), `trainer.save_model(dir)` and every periodic `checkpoint-N` write an `adapter_model.safetensors`
+with no tensor in it (40 bytes), with no error: the trained adapter is lost. Why: `Trainer.save_model` asks accelerate's
+`get_state_dict` for the weights; at ZeRO-3 without that flag it raises `ValueError`; the Trainer logs "
+stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead", calls `_save(dir, state_dict={})`
+and writes DeepSpeed's full checkpoint into `dir`. PEFT's `save_pretrained` uses its own state dict only when given
+None, so it filters the empty dict and writes an empty adapter. Upstream fixed it in transformers 5.0.0 (PR 41416): for
+PEFT at ZeRO-3 the Trainer takes the state dict from DeepSpeed itself
+(`_zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)`). Related upstream threads: trl issue 4416, peft
+issue 2892, DeepSpeed PR 7900.
 
-Every release 4.44.0-4.57.6 has the same DeepSpeed branch in `Trainer.save_model` (checked from the sdists).
-The patch changes one expression of that function: where it asked accelerate for the state dict, it asks
+Every release 4.44.0-4.57.6 has the same DeepSpeed branch in `Trainer.save_model` (checked from the sdists). The patch
+changes one expression of that function: where it asked accelerate for the state dict, it asks
 `state_dict_for_save(self)` below, which
-- for a PEFT model at ZeRO-3 with the gather flag off (the case that lost the adapter) gathers the trainable
-  parameters only, one module at a time: a collective that every rank runs, in the same order; the copy is
-  kept on the ranks that save (`args.should_save`, so also each node's main process with
-  `save_on_each_node`), and only they write, through the Trainer's own `_save`. Frozen (base) weights are
-  never gathered: DeepSpeed's `_zero3_consolidated_16bit_state_dict`, which upstream calls, gathers every
-  parameter of each module whole and drops the frozen ones only afterwards (still so in deepspeed 0.19.8);
-  parameters ZeRO-3 keeps whole on every rank (`stage3_param_persistence_threshold`) are read as they are.
-  No exception: the Trainer saves the adapter as with the flag on, and neither writes the dummy files nor
-  DeepSpeed's full checkpoint into the `save_model` folder (as 5.x); a `checkpoint-N` still gets DeepSpeed's
-  checkpoint from `_save_optimizer_and_scheduler`, for resuming;
-- everywhere else (no PEFT, the flag on, ZeRO < 3, tensor parallelism) calls accelerate exactly as stock, so
-  the behaviour (and the warning and full checkpoint without the flag) is stock.
-The tensors are copied (`.to("cpu", copy=True)`) in the dtype they train in, as DeepSpeed's consolidation does.
+- for a PEFT model at ZeRO-3 with the gather flag off (the case that lost the adapter) gathers the trainable parameters
+  only, one module at a time: a collective that every rank runs, in the same order; the copy is kept on the ranks that
+  save (`args.should_save`, so also each node's main process with `save_on_each_node`), and only they write, through the
+  Trainer's own `_save`. Frozen (base) weights are never gathered whole: DeepSpeed's
+  `_zero3_consolidated_16bit_state_dict`, which upstream calls, gathers every parameter of each module whole and drops
+  the frozen ones only afterwards (still so in deepspeed 0.19.8); parameters ZeRO-3 keeps whole on every rank
+  (`stage3_param_persistence_threshold`) are read as they are. No exception: the Trainer saves the adapter as with the
+  flag on, and neither writes the dummy files nor DeepSpeed's full checkpoint into the `save_model` folder (as 5.x); a
+  `checkpoint-N` still gets DeepSpeed's checkpoint from `_save_optimizer_and_scheduler`, for resuming;
+- everywhere else (no PEFT, the flag on, ZeRO < 3, tensor parallelism) calls accelerate exactly as stock, so the
+  behaviour (and the warning and full checkpoint without the flag) is stock.
 
-How: `txn.recode` rebuilds `Trainer.save_model` from the installed source with that one call replaced (line
-numbers kept, no wrapper); the Trainer's other code, and anything that subclasses it, runs as before.
+The tensors are copied (`.to("cpu", copy=True)`) in the dtype they train in, as DeepSpeed's consolidation does. The
+adapter saved equals the trained one exactly and loads with `PeftModel.from_pretrained`.
+
+How: `txn.recode` rebuilds `Trainer.save_model` from the installed source with that one call replaced (line numbers
+kept, no wrapper); the Trainer's other code, and anything that subclasses it, runs as before.
 """
 from dspatch.spec import Patch, Signature
 
@@ -119,6 +121,7 @@ PATCH = Patch(
     id=PID,
     summary=("Trainer + PEFT at ZeRO-3 without stage3_gather_16bit_weights_on_model_save saves the trained adapter, "
              "not an empty 40-byte file (save_model and checkpoints); only trainable weights are gathered"),
+    symptom="`adapter_model.safetensors` of 40 bytes, no tensors: the trained adapter silently lost",
     distribution="transformers",
     affected="<5.0.0",
     fixed_in="5.0.0",

@@ -309,3 +309,5 @@ SCENARIOS = {"peft_save_partitioned": peft_save_partitioned, "peft_save_persiste
 EXPECTED_ON_STOCK = {
     "peft_save_partitioned": "checkpoint-2: adapter_model.safetensors holds 0 of 8 trained tensors (40 bytes)",
     "peft_save_persistent": "checkpoint-2: adapter_model.safetensors holds 0 of 8 trained tensors (40 bytes)"}
+# The releases of transformers that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("4.44.0", "5.0.0")

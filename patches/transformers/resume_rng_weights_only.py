@@ -1,21 +1,22 @@
-"""`Trainer.train(resume_from_checkpoint=...)` on torch >= 2.6: the RNG state of the checkpoint loads again
-(transformers 4.38.0-4.46.3; fixed in 4.47.0, PR 34632).
+"""`Trainer.train(resume_from_checkpoint=...)` on torch >= 2.6: the checkpoint's RNG state loads again.
 
 `Trainer._load_rng_state` reads `rng_state.pth` (`rng_state_{rank}.pth` with several processes) with a bare
 `torch.load`. The file holds `np.random.get_state()`: a numpy array and its dtype. torch 2.6 made `weights_only=True`
-the default of `torch.load`, which refuses those globals, so every resume fails before its first step, with or
-without DeepSpeed: `_pickle.UnpicklingError: Weights only load failed ... Unsupported global: GLOBAL
-numpy._core.multiarray._reconstruct` (numpy 1.x: `numpy.core.multiarray._reconstruct`). Nothing else in the
-Trainer's resume path refuses on torch 2.13 (optimizer, scheduler, weights, state JSON; DeepSpeed's own load on
-deepspeed <= 0.15.4 is deepspeed/checkpoint-weights-only).
+the default of `torch.load`, which refuses those globals, so on transformers 4.38.0-4.46.3 every resume fails before its
+first step, with or without DeepSpeed: `_pickle.UnpicklingError: Weights only load failed ... Unsupported global: GLOBAL
+numpy._core.multiarray._reconstruct` (numpy 1.x: `numpy.core.multiarray._reconstruct`). Issue 34631; fixed in 4.47.0 (PR
+34632). Nothing else in the Trainer's resume path refuses on torch 2.13 (optimizer, scheduler, weights, state JSON;
+DeepSpeed's own load on deepspeed <= 0.15.4 is deepspeed/checkpoint-weights-only).
 
-The fix, as upstream's: `_load_rng_state` runs with exactly the globals such a file needs allowed
-(`torch.serialization.safe_globals`: numpy's array reconstructor, `ndarray`, `dtype` and the uint32 dtype's class),
-so the load stays weights-only: a file that holds anything else is still refused, and so is every other
-`torch.load` of the process, the user's own included (the allowance is a context around this one function). A
-file written under numpy 1.x and read under numpy 2.x names the old module and is refused, as on 4.47+.
+The fix does what 4.47 does: `_load_rng_state` runs with exactly the globals such a file needs allowed
+(`torch.serialization.safe_globals`: numpy's array reconstructor, `ndarray`, `dtype` and the uint32 dtype's class), so
+the load stays weights-only: a file that holds anything else is still refused, and so is every other `torch.load` of the
+process, the user's own included, which keeps torch's default (the allowance is a context around this one function; a
+reproducer checks both). A file written under numpy 1.x and read under numpy 2.x names the old module and is refused, as
+on 4.47+.
 
-Target: `Trainer._load_rng_state`, wrapped (once per resume).
+Target: `Trainer._load_rng_state`, wrapped (once per resume). Proven on the old and bridge stacks: the resumed run's
+losses equal an uninterrupted run's bit for bit (dropout on, so the restored RNG shows).
 """
 from dspatch.spec import Patch, Signature
 
@@ -53,6 +54,7 @@ PATCH = Patch(
     id=PID,
     summary=("resume_from_checkpoint works on torch >= 2.6: the Trainer's RNG state loads with the numpy globals "
              "it needs allowed, still weights-only (no `Weights only load failed` in _load_rng_state)"),
+    symptom="`UnpicklingError: Weights only load failed` in `_load_rng_state` on every resume",
     distribution="transformers",
     affected="<4.47.0",
     fixed_in="4.47.0",

@@ -73,3 +73,7 @@ SCENARIOS = {"resume_from_checkpoint": resume_from_checkpoint,
              "own_loads_stay_weights_only": own_loads_stay_weights_only}
 EXPECTED_ON_STOCK = {"resume_from_checkpoint": "resume_from_checkpoint: the Trainer's RNG state: UnpicklingError: "
                                                "Weights only load failed"}
+# The releases of transformers that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("4.38.0", "4.48.0")
+# A version of each package the patch `requires` with the bug's need, and one without (release suite).
+OTHERS_WITH_AND_WITHOUT = ({"torch": "2.13.0"}, {"torch": "2.5.1"})

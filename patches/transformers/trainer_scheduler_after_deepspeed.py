@@ -1,40 +1,43 @@
-"""The Trainer builds its LR scheduler from the optimizer DeepSpeed finalised (transformers < 5.1.0), and 5.1.0
-prepares the model with DeepSpeed again (5.1.0 only).
+"""Trainer + DeepSpeed: the LR scheduler is built on the optimizer DeepSpeed finalised; 5.1.0's unprepared model fixed.
 
-transformers < 5.1.0 with DeepSpeed and no `scheduler` section in the DeepSpeed config builds the LR scheduler
-in `deepspeed_init` (`deepspeed_optim_sched` -> `trainer.create_scheduler(...)`) on the Trainer's optimizer,
-*before* `accelerator.prepare(model, optimizer)` runs `deepspeed.initialize`, which removes empty param groups
-from that optimizer in place (a LoRA-style job whose bias/norm parameters are all frozen has an empty no-decay
-group). The scheduler keeps one entry per original group: on torch >= 2.10 the first `lr_scheduler.step()`
-raises `ValueError: zip() argument 2 is longer than argument 1`; on older torch the lists are truncated, which
-gives later groups another group's learning rate whenever the removed group is not the last one
-(transformers#43692, LoRA + ZeRO-3). Upstream moved the scheduler's creation after `prepare` in 5.1.0 (PR 43711)
-and fixed that release's regression in 5.2.0 (PR 43780): 5.1.0 calls `accelerator.prepare` under DeepSpeed only
-when the scheduler is a `DummyScheduler`, so a job with a torch scheduler trains its model without DeepSpeed.
+transformers < 5.1.0 with DeepSpeed and no `scheduler` section in the DeepSpeed config builds the LR scheduler in
+`deepspeed_init` (`deepspeed_optim_sched` -> `trainer.create_scheduler(...)`) on the Trainer's optimizer, *before*
+`accelerator.prepare(model, optimizer)` runs `deepspeed.initialize`, which removes empty param groups from that
+optimizer in place (a LoRA-style job whose bias/norm parameters are all frozen has an empty no-decay group: every
+norm/bias weight frozen is enough). The scheduler keeps one entry per original group: on torch >= 2.10 the first
+`lr_scheduler.step()` raises `ValueError: zip() argument 2 is longer than argument 1`; on older torch the lists are
+truncated, which gives later groups another group's learning rate whenever the removed group is not the last one
+(transformers#43692, LoRA + ZeRO-3). Upstream moved the scheduler's creation after `prepare` in 5.1.0 (PR 43711) and
+fixed that release's regression in 5.2.0 (PR 43780): 5.1.0 calls `accelerator.prepare` under DeepSpeed only when the
+scheduler is a `DummyScheduler`, so a job with a torch scheduler trains its model without DeepSpeed. (Custom accelerate
+loops build it too early by another path: accelerate/deepspeed-scheduler-param-groups.)
 
 The fix, backported (the order of 5.2.0), only where DeepSpeed is enabled:
-- `deepspeed_optim_sched` no longer builds a torch scheduler on the Trainer's optimizer (that `else` branch is
-  removed: `lr_scheduler` stays None); `DummyOptim` / `DummyScheduler` (optimizer or scheduler from the
-  DeepSpeed config) are unchanged: DeepSpeed builds those on the optimizer it finalised.
-- `Trainer._inner_training_loop`: under DeepSpeed the early `create_optimizer_and_scheduler` is skipped (the
-  optimizer exists already: `deepspeed_init` made it), `prepare(model, optimizer)` is called as stock does for a
-  torch scheduler, and right after `prepare` the Trainer calls `self.create_scheduler(num_training_steps=
-  max_steps)`, on the prepared optimizer, before a checkpoint's scheduler state is loaded into it (resuming
-  works as before: `scheduler.pt` is restored into the new scheduler).
-- 5.1.0: only the missing `else: model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)`
-  is added under DeepSpeed, as 5.2.0 does.
-Without DeepSpeed nothing changes. How: both functions are rebuilt from the installed source (`txn.recode`)
-with those edits (two conditions extended, one statement inserted, one branch removed); no wrapper, upstream's
-line numbers kept. The upstream diffs make the same edits (a test compares the code both give, release by release).
+- `deepspeed_optim_sched` no longer builds a torch scheduler on the Trainer's optimizer (that `else` branch is removed:
+  `lr_scheduler` stays None); `DummyOptim` / `DummyScheduler` (optimizer or scheduler from the DeepSpeed config) are
+  unchanged: DeepSpeed builds those on the optimizer it finalised.
+- `Trainer._inner_training_loop`: under DeepSpeed the early `create_optimizer_and_scheduler` is skipped (the optimizer
+  exists already: `deepspeed_init` made it), `prepare(model, optimizer)` is called as stock does for a torch scheduler,
+  and right after `prepare` the Trainer calls `self.create_scheduler(num_training_steps=max_steps)`, on the prepared
+  optimizer, before a checkpoint's scheduler state is loaded into it, so resuming continues the schedule (`scheduler.pt`
+  is restored into the new scheduler).
+- 5.1.0: only the missing `else: model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)` is added
+  under DeepSpeed, as 5.2.0 does.
 
-What changes for a subclass: under DeepSpeed `create_optimizer_and_scheduler` is no longer called by the training
-loop (upstream stopped calling it in 5.1.0); `create_optimizer` (inside `deepspeed_init`) and `create_scheduler`
-(after prepare, with `optimizer=None`: the prepared `self.optimizer`) still are. A checkpoint written by an
-unpatched run on torch < 2.10 holds a scheduler state with the removed group's entries; resuming from it restores
-those (as upstream >= 5.1.0 would).
+Without DeepSpeed nothing changes. Tested: each learning rate of every group at every step equals a run without
+DeepSpeed. How: both functions are rebuilt from the installed source (`txn.recode`) with those edits (two conditions
+extended, one statement inserted, one branch removed); no wrapper, upstream's line numbers kept. The upstream diffs make
+the same edits (a test compares the code both give, release by release).
 
-No re-alignment is needed on this path, so it shares nothing with accelerate/deepspeed-scheduler-param-groups
-(which re-aligns a scheduler the user built before `Accelerator.prepare`, in dspatch.patches.scheduler_param_groups).
+What changes for a subclass: under DeepSpeed `create_optimizer_and_scheduler` is no longer called by the training loop
+(upstream stopped calling it in 5.1.0), so a subclass overriding it should override `create_optimizer` /
+`create_scheduler` instead; `create_optimizer` (inside `deepspeed_init`) and `create_scheduler` (after prepare, with
+`optimizer=None`: the prepared `self.optimizer`) still are called. A checkpoint written by an unpatched run on torch <
+2.10 holds a scheduler state with the removed group's entries; resuming from it restores those (as upstream >= 5.1.0
+would).
+
+No re-alignment is needed on this path, so it shares nothing with accelerate/deepspeed-scheduler-param-groups (which
+re-aligns a scheduler the user built before `Accelerator.prepare`, in dspatch.patches.scheduler_param_groups).
 """
 from dspatch.spec import Patch, Signature
 
@@ -155,6 +158,7 @@ PATCH = Patch(
     id=PID,
     summary=("Trainer + DeepSpeed: the LR scheduler is built from the optimizer DeepSpeed finalised (empty param "
              "groups removed), as upstream since 5.1.0; 5.1.0's unprepared model fixed as in 5.2.0"),
+    symptom="`ValueError: zip() argument 2 is longer than argument 1` in `lr_scheduler.step()`",
     distribution="transformers",
     affected="<5.2.0",
     fixed_in="5.2.0",

@@ -175,3 +175,5 @@ SCENARIOS = {"frozen_no_decay_group": frozen_no_decay_group,
              "resume_from_checkpoint": resume_from_checkpoint}
 EXPECTED_ON_STOCK = {"frozen_no_decay_group": f"Trainer.train: lr_scheduler.step(): ValueError: {ZIP}",
                      "resume_from_checkpoint": f"Trainer.train: lr_scheduler.step(): ValueError: {ZIP}"}
+# The releases of transformers that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("4.44.0", "5.1.0")

@@ -1,39 +1,42 @@
-"""`trainer.evaluate()` before `trainer.train()`, and `trainer.train()` twice, under DeepSpeed (every transformers
-4.44.0-5.24.0, open upstream; PR 44889 proposes a fix).
+"""`trainer.evaluate()` before `trainer.train()`, and `train()` twice, under DeepSpeed train as one `train()` alone.
 
-Two things of one Trainer outlive the engine they belong to:
-- the engine itself: `train()` starts with `accelerator.free_memory()`, which destroys the engine accelerate tracks,
-  but `model_wrapped` (and `deepspeed`) still hold it, so `_wrap_model(self.model_wrapped)` hands the destroyed
-  engine back, `accelerator.prepare` is skipped, no training engine is built and the first backward fails:
-  `AttributeError: 'NoneType' object has no attribute 'backward'` (a second `train()` at ZeRO-2 and ZeRO-3; after an
-  `evaluate()` at ZeRO-3, whose inference engine is the one held). On deepspeed 0.14.0-0.16.5 a destroyed ZeRO-3
-  engine also leaves a hook on the model that fails the next engine's first forward (`pop from an empty deque`).
-- the DeepSpeed config, shared by every engine the Trainer builds and edited in place: `deepspeed_init` fills its
-  "auto" values for one run (`evaluate()`: 0 training steps, then `train()` refuses with `ds
-  scheduler.params.total_num_steps=0 vs hf num_training_steps`; a first `train()`: its own steps), the inference
-  init deletes the `optimizer` block (a later training engine would get another optimizer than configured), and
-  DeepSpeed pops `torch_adam`/`adam_w_mode` from the optimizer's params (a second engine gets another Adam). With
-  explicit scheduler steps, `evaluate()` itself refuses (`... vs hf num_training_steps (calculated)=0`).
+Both fail under DeepSpeed on every transformers 4.44.0-5.24.0, on every stack tested (open upstream: PR 44889 proposes a
+fix; see also transformers issue 26874). Two things of one Trainer outlive the engine they belong to:
+- the engine itself: `train()` starts with `accelerator.free_memory()`, which destroys the engine accelerate tracks, but
+  `model_wrapped` (and `deepspeed`) still hold it, so `_wrap_model(self.model_wrapped)` hands the destroyed engine back,
+  `accelerator.prepare` is skipped, no training engine is built and the first backward fails: `AttributeError:
+  'NoneType' object has no attribute 'backward'` (a second `train()` at ZeRO-2 and ZeRO-3; after an `evaluate()` at
+  ZeRO-3, whose inference engine is the one held). On deepspeed 0.14.0-0.16.5 a destroyed ZeRO-3 engine also leaves a
+  hook on the model that fails the next engine's first forward (`pop from an empty deque`).
+- the DeepSpeed config, shared by every engine the Trainer builds and edited in place: `deepspeed_init` fills its "auto"
+  values for one run (`evaluate()`: 0 training steps, then `train()` refuses with `ds scheduler.params.total_num_steps=0
+  vs hf num_training_steps`; a first `train()`: its own steps), the inference init deletes the `optimizer` block (a
+  later training engine would get another optimizer than configured), and DeepSpeed pops `torch_adam`/`adam_w_mode` from
+  the optimizer's params (a second engine gets another Adam). With explicit scheduler steps, `evaluate()` itself refuses
+  (`... vs hf num_training_steps (calculated)=0`).
 
 The fix, only where DeepSpeed is enabled:
-- `Trainer._inner_training_loop` (what `train()` runs) first takes every engine an earlier `evaluate()` or
-  `train()` left behind off the model (destroyed; ZeRO-3 with the hook 0.14.0-0.16.5 leave, see
-  patches/engine_handover.py), points `model_wrapped` back at the model, and puts the DeepSpeed config back as it
-  was before any engine was built (in place: the same objects, which `is_deepspeed_zero3_enabled()` reads). The
-  loop then builds its engine from the config as configured, exactly as a first `train()`.
+- `Trainer._inner_training_loop` (what `train()` runs) first takes every engine an earlier `evaluate()` or `train()`
+  left behind off the model (destroyed; ZeRO-3 with the hook 0.14.0-0.16.5 leave, see patches/engine_handover.py),
+  points `model_wrapped` back at the model, and puts the DeepSpeed config back as it was before any engine was built (in
+  place: the same objects, which `is_deepspeed_zero3_enabled()` reads). The loop then builds its engine from the config
+  as configured, exactly as a first `train()`.
 - `Trainer.evaluation_loop` (and `prediction_loop`, up to 4.57), when it is about to build an inference engine (no
   engine yet), keeps the config as configured first, and takes out the scheduler block, which an engine with no
   optimizer never builds and which, with explicit steps, refuses 0 of them. An evaluation after training uses the
   training engine, as before.
-What a run that evaluates before training or trains twice then does equals one `train()` alone: the losses, the
-learning rate at every step, the final weights, the optimizer and scheduler configured.
 
-Left as upstream has it: at ZeRO-1/2 an evaluation before training is refused (`ZeRO inference only makes sense
-with ZeRO Stage 3`, by design; PR 44889 would lift it). A `train()` after a caught refusal restores the config the
-refusal left edited, and trains as configured.
+What a run that evaluates before training or trains twice then does equals one `train()` alone: the losses, the learning
+rate at every step, the final weights, the optimizer and scheduler configured. Proven on the old, bridge, mid and latest
+stacks against a fresh Trainer's single `train()`, bit for bit (losses, learning rate per step, weights, optimizer and
+scheduler classes); `evaluate()`'s loss equals the same Trainer's without DeepSpeed.
 
-The copy of the config is kept per accelerate DeepSpeedPlugin (weakly), taken the first time either loop runs,
-before anything fills it: a new plugin (hyperparameter_search's next trial) is kept anew.
+Left as upstream has it: at ZeRO-1/2 an evaluation before training is refused (`ZeRO inference only makes sense with
+ZeRO Stage 3`, by design; PR 44889 would lift it). A `train()` after a caught refusal restores the config the refusal
+left edited, and trains as configured.
+
+The copy of the config is kept per accelerate DeepSpeedPlugin (weakly), taken the first time either loop runs, before
+anything fills it: a new plugin (hyperparameter_search's next trial) is kept anew.
 """
 from dspatch.spec import Patch, Signature, Target
 
@@ -148,6 +151,7 @@ PATCH = Patch(
     summary=("evaluate() before train(), and train() twice, under DeepSpeed train as one train() alone: the engine "
              "left behind is taken off the model and the shared DeepSpeed config restored (no `'NoneType' object "
              "has no attribute 'backward'`, no `total_num_steps=0`)"),
+    symptom="`'NoneType' object has no attribute 'backward'`, or `ds scheduler.params.total_num_steps=0`",
     distribution="transformers",
     affected=">=4.44.0",  # open upstream: the fingerprints decide
     fixed_in=None,

@@ -152,3 +152,5 @@ EXPECTED_ON_STOCK = {
     "train_twice_zero2": "ZeRO-2: the training after an earlier engine: AttributeError: " + NONE_BACKWARD,
     "train_twice_zero3": "ZeRO-3: the training after an earlier engine: AttributeError: " + NONE_BACKWARD,
 }
+# The releases of transformers that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("4.44.0", "5.24.0")

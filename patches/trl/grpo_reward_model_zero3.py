@@ -1,17 +1,20 @@
 """A model as a GRPO reward function works under ZeRO-3 (trl 0.14.0-0.16.1).
 
 `GRPOTrainer.__init__` prepares each `PreTrainedModel` in `reward_funcs` with `accelerator.prepare_model(...,
-evaluation_mode=True)`, which under DeepSpeed builds no engine. A reward model created while the Trainer's ZeRO-3
-config is live (as `from_pretrained` and `from_config` create it: under `deepspeed.zero.Init`) stays partitioned,
-with no hooks to gather its weights, and the first reward computation fails: `Padding_idx must be within
-num_embeddings` or `'weight' must be 2-D` (trl issue 3202). trl 0.17.0 fixed it (PR 3326) by preparing such a
-reward model with `prepare_deepspeed` under DeepSpeed, as the trainer already does for its reference model.
+evaluation_mode=True)`, which under DeepSpeed builds no engine. A reward model created while the Trainer's ZeRO-3 config
+is live (as `from_pretrained` and `from_config` create it: under `deepspeed.zero.Init`) stays partitioned, with no hooks
+to gather its weights, and the first reward computation fails: `Padding_idx must be within num_embeddings` or `'weight'
+must be 2-D` (trl issue 3202). trl 0.17.0 fixed it (PR 3326) by preparing such a reward model with `prepare_deepspeed`
+under DeepSpeed, as the trainer already does for its reference model.
 
-The fix does the same: `GRPOTrainer.__init__` is rebuilt from the installed source with that one statement put
-under `if self.is_deepspeed_enabled: prepare_deepspeed(reward_func, self.accelerator) else: <as it was>`. Unlike
-0.17.0 it keeps the model itself in `reward_funcs` (the engine registers ZeRO-3's hooks on it, which gather its
-weights whenever it is called): 0.14-0.16 read the reward model's `.config` where 0.17 stores the engine and
-reads precomputed names, so keeping the model changes nothing else of theirs.
+The fix does the same: `GRPOTrainer.__init__` is rebuilt from the installed source with that one statement put under `if
+self.is_deepspeed_enabled: prepare_deepspeed(reward_func, self.accelerator) else: <as it was>`. Decided: unlike 0.17.0
+it keeps the model itself, not the engine, in `reward_funcs` (the engine registers ZeRO-3's hooks on it, which gather
+its weights whenever it is called): 0.14-0.16 read the reward model's `.config` where 0.17 stores the engine and reads
+precomputed names, so keeping the model changes nothing else of theirs.
+
+Proven on the bridge stack (trl 0.15.2): 2 GRPO steps at ZeRO-3 train, and the rewards equal the reward model's own
+output on the same completions without DeepSpeed.
 """
 from dspatch.spec import Patch, Signature
 
@@ -47,6 +50,7 @@ PATCH = Patch(
     id="trl/grpo-reward-model-zero3",
     summary=("GRPOTrainer under ZeRO-3 prepares a model given as a reward function with DeepSpeed, so its partitioned "
              "weights are gathered (no `Padding_idx must be within num_embeddings` / `'weight' must be 2-D`)"),
+    symptom="`Padding_idx must be within num_embeddings` or `'weight' must be 2-D` at the first reward",
     distribution="trl",
     affected=">=0.14.0,<0.17.0",
     fixed_in="0.17.0",

@@ -100,3 +100,5 @@ def grpo_with_reward_model():
 
 SCENARIOS = {"grpo_with_reward_model": grpo_with_reward_model}
 EXPECTED_ON_STOCK = {"grpo_with_reward_model": "GRPO's first reward computation under ZeRO-3: RuntimeError:"}
+# The releases of trl that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.13.0", "0.17.0")

@@ -1,39 +1,43 @@
 """trl's PPO trainer saves the trained policy under DeepSpeed (`save_model` and the checkpoints at `save_steps`).
 
-The PPO trainer trains a `PolicyAndValueWrapper` (the policy and the value model in one module) inside one
-DeepSpeed engine. Its `save_model` saves "only the policy" by setting `self.model = self.model.policy` (through
+The PPO trainer trains a `PolicyAndValueWrapper` (the policy and the value model in one module) inside one DeepSpeed
+engine. Its `save_model` saves "only the policy" by setting `self.model = self.model.policy` (through
 `DeepSpeedEngine.__getattr__`, the bare policy) and then `self.deepspeed = self.model`, before calling
-`Trainer.save_model`, which gathers the weights with `accelerator.get_state_dict(self.deepspeed)` and so needs
-the engine. On transformers 4.x that fails at ZeRO-3 with `AttributeError: 'LlamaForCausalLM' object has no
-attribute 'zero_gather_16bit_weights_on_model_save'` (at ZeRO-1/2 it happens to work: accelerate reads the bare
-model's own state dict); on transformers 5.x, whose `save_model` first reads `self.deepspeed.config.get(...)`
-(the engine's DeepSpeed config), at every ZeRO stage with `AttributeError: 'LlamaConfig' object has no attribute
-'get'`. The checkpoints written during training fail the same way (`_save_checkpoint` calls
-`save_model(_internal_call=True)`), so a ZeRO-3 PPO job dies at its first `save_steps`. Behind that, on
-transformers 5.x with several processes, `Trainer.save_model` calls `_save` on every rank, and its non-main ranks
-read `self.is_distributed_loading_by_transformers`, which `Trainer.__init__` sets and trl's PPO trainer (which
-does not call it) never has: `AttributeError` on rank 1 once the first failure is out of the way.
-trl issues 2122 (closed, workaround in its comments) and 2885 (open; cause confirmed by a maintainer); no fix
-merged. Every release 0.11.0-1.12.0 has the same `save_model` (three fingerprints: type hints and a `hasattr`
-guard changed); 0.10.x has it too but never sets `self.deepspeed` at all (trl#2025) and fails before this bug;
-0.9.x gathered from the engine and stripped the `policy.` prefix itself (not affected); 1.13.0 removed PPO.
+`Trainer.save_model`, which gathers the weights with `accelerator.get_state_dict(self.deepspeed)` and so needs the
+engine. On transformers 4.x that fails at ZeRO-3 with `AttributeError: 'LlamaForCausalLM' object has no attribute
+'zero_gather_16bit_weights_on_model_save'` (at ZeRO-1/2 it happens to work: accelerate reads the bare model's own state
+dict); on transformers 5.x, whose `save_model` first reads `self.deepspeed.config.get(...)` (the engine's DeepSpeed
+config), at every ZeRO stage with `AttributeError: 'LlamaConfig' object has no attribute 'get'`. The checkpoints written
+during training fail the same way (`_save_checkpoint` calls `save_model(_internal_call=True)`), so a ZeRO-3 PPO job dies
+at its first `save_steps`. Behind that, on transformers 5.x with several processes, `Trainer.save_model` calls `_save`
+on every rank, and its non-main ranks read `self.is_distributed_loading_by_transformers`, which `Trainer.__init__` sets
+and trl's PPO trainer (which does not call it) never has: `AttributeError` on rank 1 once the first failure is out of
+the way.
 
-The fix, as in `upstream_prs/trl/0001-*.patch`: `self.deepspeed` stays the engine, so that `Trainer.save_model`
-gathers the full weights from it on every rank (a collective at ZeRO-3: every rank must take part) and keeps its
-own logic (main process writes, the fallback when ZeRO-3 16-bit gathering is off, push to hub, PEFT); the state
-dict handed to `_save` is reduced to the policy's entries without their `policy.` prefix (no value-model
-weights), and `_save` writes the policy (`save_pretrained`) with them, its tokenizer / processing class as
-stock does, on the main process only (`args.should_save`, as transformers 4.x's caller already does). Without
-DeepSpeed nothing changes.
+trl issues 2122 (closed, workaround in its comments) and 2885 (open; cause confirmed by a maintainer); no fix merged.
+Every release 0.11.0-1.12.0 has the same `save_model` (three fingerprints: type hints and a `hasattr` guard changed);
+0.10.x has it too but never sets `self.deepspeed` at all (trl#2025) and fails before this bug (not covered); 0.9.x
+gathered from the engine and stripped the `policy.` prefix itself (not affected); 1.13.0 removed PPO.
+
+The fix, as in `upstream_prs/trl/0001-*.patch`: `self.deepspeed` stays the engine, so that `Trainer.save_model` gathers
+the full weights from it on every rank (a collective at ZeRO-3: every rank must take part) and keeps its own logic (main
+process writes, the fallback when ZeRO-3 16-bit gathering is off, push to hub, PEFT); the state dict handed to `_save`
+is reduced to the policy's entries without their `policy.` prefix (no value-model weights), and `_save` writes the
+policy (`save_pretrained`) with them, its tokenizer / processing class as stock does, on the main process only
+(`args.should_save`, as transformers 4.x's caller already does). Without DeepSpeed nothing changes.
+`AutoModelForCausalLM.from_pretrained(dir)` then loads exactly the trained policy. Proven with 2 ranks on the old,
+bridge and mid stacks. (A flake of that test on bridge, one tensor differing now and then under load, was DeepSpeed's
+own: the test's reference gathered every weight at once, see deepspeed/zero3-gather-waits-all; references are now
+gathered one weight at a time.)
 
 The PPO trainer lives in a different module in each band of releases (0.11.x `trl/trainer/ppov2_trainer.py`,
-0.12.0-0.25.1 `trl/trainer/ppo_trainer.py`, 0.26.0-1.12.0 `trl/experimental/ppo/ppo_trainer.py`): one target per
-band, each declaring its releases (`Target(..., releases=...)`), so that a release is gated and patched on the
-target it has. How: `save_model` is wrapped (one target per release). With DeepSpeed off the wrapper calls
-upstream's function untouched; with it on it runs the fixed save: the policy as `self.model`, the engine as
-`self.deepspeed`, `Trainer.save_model` (the next class in the MRO) called with, for the length of the call
-only, an instance attribute `_save` that strips the state dict before calling the class's own `_save` (so a
-subclass's `_save` still runs). Nothing runs per training step.
+0.12.0-0.25.1 `trl/trainer/ppo_trainer.py`, 0.26.0-1.12.0 `trl/experimental/ppo/ppo_trainer.py`): one target per band,
+each declaring its releases (`Target(..., releases=...)`), so that a release is gated and patched on the target it has.
+How: `save_model` is wrapped (one target per release). With DeepSpeed off the wrapper calls upstream's function
+untouched; with it on it runs the fixed save: the policy as `self.model`, the engine as `self.deepspeed`,
+`Trainer.save_model` (the next class in the MRO) called with, for the length of the call only, an instance attribute
+`_save` that strips the state dict before calling the class's own `_save` (so a subclass's `_save` still runs). Nothing
+runs per training step.
 """
 import functools
 
@@ -111,6 +115,7 @@ def apply(txn):
 PATCH = Patch(
     id="trl/ppo-deepspeed-save",
     summary="PPO save_model and its checkpoints under DeepSpeed write the trained policy (gathered from the engine)",
+    symptom="`AttributeError: ... no attribute 'zero_gather_16bit_weights_on_model_save'` (or `'get'`)",
     distribution="trl",
     affected=">=0.11.0,<1.13.0",  # open upstream; 1.13.0 removed PPO; 0.10.x fails earlier (trl#2025)
     fixed_in=None,

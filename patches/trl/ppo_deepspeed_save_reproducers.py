@@ -235,3 +235,5 @@ def zero2_save():
 
 SCENARIOS = {"zero3_save": zero3_save, "zero2_save": zero2_save}
 EXPECTED_ON_STOCK = {"zero3_save": "checkpoint at save_steps under ZeRO-3: AttributeError:"}
+# The releases of trl that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.9.0", "1.16.0")

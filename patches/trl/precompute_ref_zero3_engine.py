@@ -1,28 +1,35 @@
-"""DPO and KTO with a precomputed reference at ZeRO-3: the reference pass's engine forgets its trace once its forwards
-are done (trl 1.9.0-1.16.0, open upstream).
+"""DPO with a precomputed reference at ZeRO-3: the reference pass's engine forgets its trace once its forwards are done.
 
-With `precompute_ref_log_probs=True` and no `ref_model`, `_precompute_ref_logps` (DPOTrainer's and KTOTrainer's
-twin, introduced by trl PR 6403) wraps the policy in a DeepSpeed inference engine (`prepare_deepspeed`: ZeRO-3 at
-ZeRO-3, stage 0 otherwise), computes the reference log-probs through it, and keeps it in
-`self._precompute_engine` for later passes. `Trainer.train` then builds the training engine on the same model. At
-ZeRO-3 the kept engine's hooks stay on every submodule: its coordinator replays a trace whose module ids the
-training engine renumbered, and when the reference pass took a single batch (its trace still recording) the first
-training forward fails: `IndexError: pop from an empty deque` (deepspeed >= 0.15.4). With more batches it trains,
-with every parameter fetched by two engines. (dspatch's deepspeed/initialize-once refused that second
-`deepspeed.initialize` outright, before it let a model held by an inference engine through.)
+DPO and KTO with `precompute_ref_log_probs=True` and no `ref_model`, on trl 1.9.0-1.16.0 (open upstream), compute the
+reference through a DeepSpeed inference engine on the policy and keep it: `_precompute_ref_logps` (DPOTrainer's and
+KTOTrainer's twin, introduced by trl PR 6403) wraps the policy in that engine (`prepare_deepspeed`: ZeRO-3 at ZeRO-3,
+stage 0 otherwise), computes the reference log-probs through it, and keeps it in `self._precompute_engine` for later
+passes. `Trainer.train` then builds the training engine on the same model, which renumbers its modules. At ZeRO-3 the
+kept engine's hooks stay on every submodule: its coordinator replays a trace whose module ids the training engine
+renumbered, and when the reference pass took a single batch (its trace still recording) the first training forward
+fails: `IndexError: pop from an empty deque` (deepspeed >= 0.15.4; seen on the mid and latest stacks). With more batches
+it trains, with every parameter fetched by two engines. (dspatch's deepspeed/initialize-once refused that second
+`deepspeed.initialize` outright, before it let a model held by an inference engine through.) trl 1.8.x precomputes under
+ZeRO-3 with no engine at all and fails otherwise (`'weight' must be 2-D`): not this patch's.
 
-The cause is the kept engine's trace, not the engine itself: after a single forward it is still recording, and the
-next forward (the training engine's, which renumbered the modules) completes it from module ids that no longer match.
-The fix: when a reference pass ends, the engine it used forgets its trace (its parameter coordinator's trace is
-invalidated, patches/engine_handover.py), so that the next forward records one afresh; trl keeps and reuses the
-engine as before. With two batches or more stock already trains so (its trace recorded and complete before the
-training engine exists): the fixed run trains exactly as that one, bit for bit. Taking the engine off the model
-instead (its `destroy()`) fixes the deque but breaks LoRA with gradient checkpointing at ZeRO-3 on deepspeed 0.19.8
-(`CheckpointError`: frozen weights recomputed with shape [0]), which trains on stock with the engine kept: not done.
+The cause is the kept engine's trace, not the engine itself: after a single forward it is still recording, and the next
+forward (the training engine's, which renumbered the modules) completes it from module ids that no longer match. The
+fix: when a reference pass ends, the engine it used forgets its trace (its parameter coordinator's trace is invalidated,
+patches/engine_handover.py), so that the next forward records one afresh; trl keeps and reuses the engine as before.
+With two batches or more stock already trains so (its trace recorded and complete before the training engine exists):
+the fixed run trains exactly as that one, bit for bit. Proven against the same training without DeepSpeed: reference
+log-probs equal; losses within 1e-4 and weights within 1e-5 at ZeRO-3; ZeRO-2 bit-identical. The no-harm matrix runs it
+with LoRA too.
+
+Decided: taking the engine off the model instead (its `destroy()`) fixes the deque but breaks LoRA with gradient
+checkpointing at ZeRO-3 on deepspeed 0.19.8 (`CheckpointError`: frozen weights recomputed with shape [0]), which trains
+on stock with the engine kept: not done.
 
 Target: `DPOTrainer._precompute_ref_logps`, wrapped (once per pass, nothing per step). KTOTrainer's twin is
 trl/precompute-ref-zero3-engine-kto (patches/trl/precompute_ref_zero3_engine_kto.py): a patch applies once all its
-modules are imported, and a DPO job never imports the KTO trainer.
+modules are imported, and a DPO job never imports the KTO trainer. `python -m dspatch.explain` names this bug where the
+log shows trl's reference pass (`Computing reference log probs for ... dataset`) and the trainer's frame; otherwise it
+is offered.
 """
 from dspatch.spec import Patch, Signature
 
@@ -71,6 +78,7 @@ PATCH = Patch(
     summary=("DPO with precompute_ref_log_probs under ZeRO-3: the reference pass's engine forgets its trace when the "
              "pass ends, so the training forward does not complete it with renumbered modules (no `pop from an "
              "empty deque`)"),
+    symptom="`IndexError: pop from an empty deque` in the first training forward",
     distribution="trl",
     affected=">=1.9.0",  # open upstream: the fingerprints decide
     fixed_in=None,

@@ -9,3 +9,5 @@ EXPECTED_ON_STOCK = {
     "kto_precomputed_zero3": "KTO with a reference precomputed in one batch at ZeRO-3: the first training forward: "
                              "IndexError: pop from an empty deque",
 }
+# The releases of trl that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("1.8.0", "1.16.0")

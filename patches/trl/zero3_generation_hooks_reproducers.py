@@ -243,3 +243,7 @@ EXPECTED_ON_STOCK = {
                             "has no attribute '_register_hooks_recursively'"),
     "rloo_two_steps": ("RLOOTrainer at ZeRO-3 failed at its first generation: AttributeError: "
                        "'DeepSpeedZeRoOffload' object has no attribute '_register_hooks_recursively'")}
+# The releases of trl that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.7.0", "0.17.0")
+# A version of each package the patch `requires` with the bug's need, and one without (release suite).
+OTHERS_WITH_AND_WITHOUT = ({"deepspeed": "0.16.9"}, {"deepspeed": "0.16.3"})
