@@ -22,7 +22,7 @@ from packaging.version import Version
 
 from dspatch import gating, registry
 
-from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
+from conftest import STACK, apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
 pytestmark = pytest.mark.stack
 
@@ -225,6 +225,8 @@ def test_check_says_torch_decides(tmp_path):
 def test_fixed_releases_keep_the_patch_out_and_round_trip_on_stock():
     if affected():
         pytest.skip("affected release: see the tests above")
+    if STACK != "latest":  # CI time: the newest fixed release's own code; every release's verdict: unit session
+        pytest.skip("run on the latest stack (the newest fixed release); verdicts of the others: test_releases.py")
     assert gating.evaluate(PATCH)[1] == gating.FIXED_UPSTREAM
     outcome = verify(PID, clean_env(DSPATCH="1"))  # every patch active, as users run it
     assert PID not in outcome["applied"] and outcome["results"] == ALL_OK, outcome
