@@ -10,6 +10,8 @@
    and `python -m dspatch.apply --check` against `python -c "import deepspeed"`, cache warm and cold.
 3. ZeRO-3 training steps with DSPATCH=1 against stock (bench/zero3_steps.py, alternating runs): wall time
    with a bootstrap interval, and Python opcodes per step (exact); fails when a target is not in force.
+4. `dspatch explain` on a 100 MB training log with one traceback in it (bench/explain_log.py) against
+   `grep -cE 'Error|Traceback'` on the same file, and explain's peak memory; and on a 400 MB one, its memory.
 """
 import json
 import os
@@ -164,8 +166,31 @@ def steps():
         sys.exit(1)
 
 
+def explain_speed():
+    print("4. dspatch explain on a long training log with one traceback, against grep on the same file")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import explain_log
+
+    with tempfile.TemporaryDirectory() as folder:
+        for megabytes in (100, 400):
+            log = os.path.join(folder, f"job{megabytes}.log")
+            explain_log.write(log, megabytes)
+            grep = statistics.median(wall(["grep", "-cE", "Error|Traceback", log], env(), 3))
+            code = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+                    f"p = subprocess.run([sys.executable, '-m', 'dspatch.explain', '--json', {log!r}], "
+                    "capture_output=True); print(time.perf_counter() - t, p.returncode, "
+                    "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+            runs = [subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True,
+                                   check=True).stdout.split() for _ in range(1 if QUICK or megabytes > 100 else 3)]
+            seconds = statistics.median(float(r[0]) for r in runs)
+            assert all(r[1] == "0" for r in runs), runs  # the traceback is named
+            peak = max(int(r[2]) for r in runs) / 1024
+            print(f"   {megabytes} MB: grep {grep:.2f} s; explain {seconds:.2f} s: x{seconds / grep:.1f}; "
+                  f"explain's peak memory {peak:.0f} MB")
+
+
 if __name__ == "__main__":
-    PARTS = {"startup": startup, "import": import_and_check, "steps": steps}
+    PARTS = {"startup": startup, "import": import_and_check, "steps": steps, "explain": explain_speed}
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(PARTS))
     for part in only:
         PARTS[part]()

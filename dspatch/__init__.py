@@ -1,7 +1,8 @@
 """dspatch: version-pinned fixes for known DeepSpeed / accelerate / transformers / trl bugs.
 
 `DSPATCH=1` in the environment activates it in every process (see dspatch.pth); from code use
-`dspatch.apply()` and `dspatch.revert()`. `python -m dspatch.apply --check` says what applies and why.
+`dspatch.apply()` and `dspatch.revert()`. `dspatch check` (or `python -m dspatch.apply --check`) says what applies
+and why.
 """
 import os as _os
 
@@ -32,6 +33,9 @@ def apply(ids=None, strict=None):
         ids = ["all"]
 
     return _runtime.activate(ids, strict)
+
+
+_apply = apply  # for dspatch's own callers: importing the module dspatch.apply rebinds `dspatch.apply` to it
 
 
 def revert(ids=None, force=False):

@@ -1,7 +1,7 @@
 """Name the known bugs a failed job's log shows, and say what to do about each here.
 
-    python -m dspatch.explain job.log
-    some-command 2>&1 | python -m dspatch.explain -
+    dspatch explain job.log            (or python -m dspatch.explain job.log; job.log.gz, UTF-16 logs too)
+    some-command 2>&1 | dspatch explain -
 
 Each patch declares how its bug shows in a log (`Patch.signatures`, dspatch.spec.Signature): the message, the
 exception it belongs to, and the frames or lines that tell it from other failures with the same words. The log is
@@ -56,29 +56,68 @@ _BEFORE, _AFTER = 80, 40
 _JOINED = 2  # continuation lines a wrapped message may take
 
 
+def _clean(line):
+    """One line as a reader sees it: no colour codes, no progress redraws, no rank prefixes."""
+    line = _ANSI.sub("", line)
+    if "\r" in line:  # a progress bar redrawn in place: what remains on screen is the last segment
+        line = ([part for part in line.split("\r") if part.strip()][-1:] or [""])[0]
+    for _ in range(3):
+        stripped = _PREFIX.sub("", line, count=1)
+        if stripped == line:
+            break
+        line = stripped
+    return line[:_LINE_LIMIT].rstrip()
+
+
 def clean_lines(text):
-    """The log's lines as a reader sees them: no colour codes, no progress redraws, no rank prefixes; a
-    debugger's `Exception has occurred: X` line reads `X: <the message on the next line>`."""
+    """The log's lines as a reader sees them (see _clean); a debugger's `Exception has occurred: X` line reads
+    `X: <the message on the next line>`."""
     # "\n" only: str.splitlines() would also split at the "\r" of a progress redraw
     raw = text.split("\n")
     if raw and raw[-1] == "":
         raw.pop()
-    lines = []
-    for line in raw:
-        line = _ANSI.sub("", line)
-        if "\r" in line:  # a progress bar redrawn in place: what remains on screen is the last segment
-            line = ([part for part in line.split("\r") if part.strip()][-1:] or [""])[0]
-        for _ in range(3):
-            stripped = _PREFIX.sub("", line, count=1)
-            if stripped == line:
-                break
-            line = stripped
-        lines.append(line[:_LINE_LIMIT].rstrip())
-    for number, line in enumerate(lines[:-1]):
-        debugger = _DEBUGGER.match(line)
+    lines = [_clean(line) for line in raw]
+    _join_debugger_lines(lines, range(len(lines) - 1))
+    return lines
+
+
+def _join_debugger_lines(lines, numbers):
+    for number in numbers:
+        debugger = _DEBUGGER.match(lines[number])
         if debugger:
             lines[number] = f"{debugger.group(1)}: {lines[number + 1].strip()}"
-    return lines
+
+
+class Sparse:
+    """A long log's lines of which only those that can matter were read (see read_log): the others read as empty
+    lines, which no signature, version or traceback pattern matches. Indexed and sliced as a list."""
+
+    def __init__(self, count, kept):
+        self.count = count
+        self.kept = kept
+        self.numbers = sorted(kept)
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.kept.get(n, "") for n in range(*index.indices(self.count))]
+        return self.kept.get(index + self.count if index < 0 else index, "")
+
+    def __setitem__(self, index, value):
+        self.kept[index] = value
+
+
+def _present(lines, where=None):
+    """The numbers of `where` (default: every line) that can hold text: all of them, or those a Sparse kept."""
+    where = range(len(lines)) if where is None else where
+    if not isinstance(lines, Sparse):
+        return where
+    import bisect
+
+    numbers = lines.numbers
+    return numbers[bisect.bisect_left(numbers, where.start):bisect.bisect_left(numbers, where.stop)]
 
 
 def _variants(lines, number):
@@ -134,13 +173,14 @@ def _window(lines, number):
 
 def _first(lines, where, pattern):
     found = pattern if callable(pattern) else re.compile(pattern).search
-    return next((n for n in where if found(lines[n])), None)
+    return next((n for n in _present(lines, where) if found(lines[n])), None)
 
 
 def log_versions(lines):
     """{distribution: version} printed in the log, for those it prints one version of."""
     seen = {}
-    for number, line in enumerate(lines):
+    for number in _present(lines):
+        line = lines[number]
         for name, version in _VERSION.findall(line):
             seen.setdefault(name.lower(), {}).setdefault(version, number)
         for version in _DEEPSPEED_BANNER.findall(line):
@@ -162,9 +202,19 @@ def _hits(lines, patches):
     traceback; `context`, `hints` and `unless` in the whole log."""
     hits = {}
     everywhere = range(len(lines))
+    holding = {}  # trigger word -> numbers of the lines that hold it
     for patch in patches:
         for signature in _signatures(patch):
-            for number in range(len(lines)):
+            trigger = _trigger(signature.message)
+            if trigger:  # only where the message's word is, on its line or up to _JOINED lines below
+                for word in trigger[0]:
+                    if word not in holding:
+                        holding[word] = [n for n in _present(lines) if word in lines[n]]
+                starts = sorted({max(0, n - k) for word in trigger[0] for n in holding[word]
+                                 for k in range(_JOINED + 1)})
+            else:
+                starts = _present(lines)
+            for number in starts:
                 text = _message_at(lines, number, signature)
                 if text is None:
                     continue
@@ -338,11 +388,12 @@ def _entry(patch, environ):
 
 
 def explain(text, patches=None, environ=None):
-    """(lines read, bugs named, choices left open, bugs set aside by the versions here): JSON-ready dicts."""
+    """(lines read, bugs named, choices left open, bugs set aside by the versions here): JSON-ready dicts. `text` is
+    the log (a str) or its lines as read_log gives them."""
     from dspatch import registry
 
     patches = list(registry.all_patches().values()) if patches is None else patches
-    lines = clean_lines(text)
+    lines = clean_lines(text) if isinstance(text, str) else text
     named, undecided, aside = find(lines, patches)
     bugs = [{**_entry(item["patch"], environ), "line": item["line"], "text": item["text"],
              "confidence": item["confidence"], "why": item["why"], "versions": item["versions"]}
@@ -356,13 +407,275 @@ def explain(text, patches=None, environ=None):
     return len(lines), bugs, choices, set_aside
 
 
-def _read(source):
-    if source == "-":
-        data = sys.stdin.buffer.read()
+# ---- reading a log of any size: two skims for a few fixed words, then only the lines around what they found ------
+
+_CHUNK = 16 << 20  # bytes read at a time: memory stays a few chunks whatever the log's size
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]{3,}")
+
+
+def _required(pattern):
+    """Fixed strings, one of which is in every text the regular expression matches (None when it cannot tell), so
+    that a line holding none of them can be skipped unread. Read from the pattern's parse tree."""
+    try:
+        from re import _parser as parser, _constants as constants
+    except ImportError:  # Python < 3.11
+        import sre_constants as constants
+        import sre_parse as parser
+
+    def needed(items):
+        best, run = None, []
+
+        def consider(found):
+            nonlocal best
+            if found and min(map(len, found)) >= 3 and (best is None or min(map(len, found)) > min(map(len, best))):
+                best = found
+
+        for op, value in items:
+            if op is constants.LITERAL:
+                run.append(chr(value))
+                continue
+            if op is constants.AT:  # \b, ^, $: they match no character
+                continue
+            consider({"".join(run)} if run else None)
+            run = []
+            if op is constants.SUBPATTERN:
+                consider(needed(value[-1]))
+            elif op is constants.BRANCH:
+                branches = [needed(branch) for branch in value[1]]
+                consider(set().union(*branches) if all(branches) else None)
+            elif op in (constants.MAX_REPEAT, constants.MIN_REPEAT) and value[0] >= 1:
+                consider(needed(value[2]))
+        consider({"".join(run)} if run else None)
+        return best
+
+    parsed = parser.parse(pattern)
+    if parsed.state.flags & constants.SRE_FLAG_IGNORECASE:
+        return None
+    return needed(list(parsed))
+
+
+def _trigger(pattern):
+    """(the word a line must hold for the message to start there or up to _JOINED lines above, the words of each of
+    the message's fixed texts) or None. The word is the longest of the fixed texts' words (a wrap that cuts it
+    hides the message); two of a fixed text's words must then be in those lines (a wrap cuts at most those two)."""
+    found = _required(pattern)
+    if not found:
+        return None
+    words = [_WORD.findall(text) or [text] for text in sorted(found)]
+    return sorted({max(each, key=len) for each in words}), words
+
+
+def _plan(patches):
+    """(message triggers {word: [(patch, signature, the words of its fixed texts)]}, the fixed texts its log-wide
+    patterns need per signature) or None when a pattern has no fixed text (then every line is read)."""
+    triggers, anywhere = {}, {}
+    for patch in patches:
+        for signature in _signatures(patch):
+            trigger = _trigger(signature.message)
+            if not trigger:
+                return None
+            for word in trigger[0]:
+                triggers.setdefault(word, []).append((patch, signature, trigger[1]))
+            texts = set()
+            for pattern in (*signature.context, *signature.hints, *signature.unless):
+                found = None if callable(pattern) else _required(pattern)
+                if not found:
+                    return None
+                texts |= found
+            anywhere[signature] = texts
+    return triggers, anywhere
+
+
+def _message_lines(chunk, first, word, uses):
+    """Line numbers of the chunk where a message of `uses` may start: a line that holds `word`, or one of the
+    _JOINED lines above it, when those lines also hold two words of one of its fixed texts (all, if it has one)."""
+    found = []
+    at = chunk.find(word)
+    while at >= 0:
+        start = chunk.rfind(b"\n", 0, at) + 1
+        for _ in range(_JOINED):
+            start = chunk.rfind(b"\n", 0, max(start - 1, 0)) + 1 if start else 0
+        end = at
+        for _ in range(_JOINED + 1):
+            end = chunk.find(b"\n", end + 1)
+            if end < 0:
+                end = len(chunk)
+                break
+        near = chunk[start:end]
+        if any(sum(w.encode() in near for w in words) >= min(2, len(words))
+               for _, _, alternatives in uses for words in alternatives):
+            found.append(start)
+        at = chunk.find(word, chunk.find(b"\n", at) + 1 or len(chunk))
+    numbers, counted, line = set(), 0, first
+    for position in sorted(found):
+        line += chunk.count(b"\n", counted, position)
+        counted = position
+        numbers.update(range(line, line + _JOINED + 1))
+    return numbers
+
+
+def _chunks(f):
+    """(first line number, bytes of whole lines, their newlines), _CHUNK bytes or so at a time; colour codes taken
+    out (they may sit inside a word)."""
+    line = 0
+    while True:
+        block = f.read(_CHUNK)
+        if not block:
+            return
+        if not block.endswith(b"\n"):
+            block += f.readline()  # the rest of its last line
+        block = _strip_ansi(block)
+        newlines = block.count(b"\n")
+        yield line, block, newlines
+        line += newlines
+
+
+_ANSI_BYTES = re.compile(rb"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
+
+
+def _strip_ansi(data):
+    return _ANSI_BYTES.sub(b"", data) if b"\x1b" in data else data
+
+
+def _lines_holding(chunk, first, texts, search=None):
+    """{line number: offset of its start} of the chunk's lines that hold any of `texts` (bytes), by plain search
+    (in `search`, a same-length copy of the chunk, when given: the chunk lowercased, say)."""
+    search = chunk if search is None else search
+    starts = set()
+    for text in texts:
+        at = search.find(text)
+        while at >= 0:
+            starts.add(search.rfind(b"\n", 0, at) + 1)
+            at = search.find(text, search.find(b"\n", at) + 1 or len(search))
+    found, counted, line = {}, 0, first
+    for start in sorted(starts):
+        line += chunk.count(b"\n", counted, start)
+        counted = start
+        found[line] = start
+    return found
+
+
+def _line_start(chunk, index):
+    """Offset in the chunk of the start of its line `index` (0-based): a binary search on newline counts."""
+    low, high = 0, len(chunk)
+    while low < high:
+        middle = (low + high) // 2
+        if chunk.count(b"\n", 0, middle) < index:
+            low = middle + 1
+        else:
+            high = middle
+    return low
+
+
+def _read_lines(chunk, first, starts, runs, into):
+    """Clean into `into` {number: line}: the lines at `starts` {number: offset}, and the runs (first number, last
+    number + 1) of consecutive lines, found from their numbers."""
+    def read(number, start):
+        end = chunk.find(b"\n", start)
+        into[number] = _clean((chunk[start:] if end < 0 else chunk[start:end]).decode("utf-8", errors="replace"))
+        return len(chunk) if end < 0 else end + 1
+
+    for number, start in starts.items():
+        read(number, start)
+    for low, high in runs:
+        start = _line_start(chunk, low - first)
+        for number in range(low, high):
+            if start >= len(chunk):
+                break
+            start = read(number, start)
+
+
+def _runs(numbers):
+    """Sorted numbers as runs of consecutive ones: [(first, last + 1)]."""
+    runs = []
+    for n in sorted(numbers):
+        if runs and runs[-1][1] == n:
+            runs[-1][1] = n + 1
+        else:
+            runs.append([n, n + 1])
+    return runs
+
+
+def skim(f, patches):
+    """The log in the open binary file `f` (seekable) as a Sparse list of lines: the lines around every place a known
+    bug's message may be, the lines the log-wide patterns of those bugs may match, and the lines that may print the
+    versions they depend on. Memory stays a few chunks; a log with no message word is read once, by plain search."""
+    plan = _plan(patches)
+    if plan is None:  # a pattern with no fixed text: every line is read
+        text = f.read().decode("utf-8", errors="replace")
+        return clean_lines(text)
+    triggers, anywhere = plan
+    hits, found, count = set(), set(), 0
+    for first, chunk, newlines in _chunks(f):
+        for word, uses in triggers.items():
+            at = _message_lines(chunk, first, word.encode(), uses)
+            if at:
+                hits |= at
+                found.add(word)
+        count = first + newlines + (not chunk.endswith(b"\n"))
+    if not hits:
+        return Sparse(count, {})
+    # a message's traceback reaches 4 * _BEFORE lines up, its wrapped lines _JOINED down
+    around = set()
+    for n in hits:
+        around.update(range(max(0, n - 4 * _BEFORE - _JOINED), min(count, n + _AFTER + _JOINED + 1)))
+    candidates = [use for word in found for use in triggers[word]]
+    texts = {t.encode() for _, signature, _ in candidates for t in anywhere[signature]}
+    # the versions that can decide between them: those of their packages (and what their bugs also need)
+    names = {n.encode() for patch, _, _ in candidates for n in (patch.distribution, *patch.requires)}
+    kept = {}
+    f.seek(0)
+    for first, chunk, newlines in _chunks(f):
+        last = first + newlines + (not chunk.endswith(b"\n"))
+        starts = _lines_holding(chunk, first, texts)
+        starts.update(_lines_holding(chunk, first, names, search=chunk.lower()))
+        _read_lines(chunk, first, starts, _runs(n for n in around if first <= n < last), kept)
+        around = {n for n in around if n >= last}
+    lines = Sparse(count, kept)
+    _join_debugger_lines(lines, [n for n in lines.numbers if n + 1 < count])
+    return lines
+
+
+class Unreadable(ValueError):
+    pass
+
+
+def open_log(source):
+    """A seekable binary file of the log's UTF-8 text: the file itself, or a temporary copy of what needed decoding
+    (gzip, UTF-16 with its byte-order mark) or could not be read twice (standard input). Unreadable: not text."""
+    import tempfile
+
+    raw = sys.stdin.buffer if source == "-" else open(source, "rb")
+    head = raw.peek(4)[:4] if hasattr(raw, "peek") else b""
+    stream, decode = raw, None
+    if head[:2] == b"\x1f\x8b":
+        import gzip
+
+        stream = gzip.GzipFile(fileobj=raw)
+        head = stream.peek(4)[:4]
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        import codecs
+
+        decode = codecs.getincrementaldecoder("utf-16")(errors="replace")
+    if stream is raw and decode is None and source != "-":
+        copy = raw
     else:
-        with open(source, "rb") as f:
-            data = f.read()
-    return data.decode("utf-8", errors="replace")
+        copy = tempfile.TemporaryFile()
+        while True:
+            block = stream.read(_CHUNK)
+            if not block:
+                break
+            copy.write(decode.decode(block).encode("utf-8") if decode else block)
+        if decode:
+            copy.write(decode.decode(b"", final=True).encode("utf-8"))
+        copy.seek(0)
+    sample = copy.read(1 << 16)
+    copy.seek(0)
+    if b"\x00" in sample:
+        copy.close()
+        raise Unreadable("it is not text (it holds NUL bytes; logs are read as UTF-8, UTF-16 with its byte-order "
+                         "mark, or gzip of either)")
+    return copy
 
 
 def _print(bugs, choices, aside, count, source):
@@ -396,18 +709,30 @@ def _print(bugs, choices, aside, count, source):
         print(f"  seen: {item['text'][:200]}")
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m dspatch.explain",
+def main(argv=None, prog="python -m dspatch.explain"):
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Name the known bugs a failed job's log shows (exit 0), or say "
                                                  "that it shows none (exit 1).")
     parser.add_argument("log", nargs="?", default="-", help="the log file, or - for standard input (default)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = parser.parse_args(argv)
-    try:
-        text = _read(args.log)
-    except OSError as e:
-        print(f"dspatch.explain: cannot read {args.log}: {e.strerror or e}", file=sys.stderr)
+    who = prog.replace("python -m ", "")
+    if args.log == "-" and sys.stdin.isatty():
+        parser.print_usage(sys.stderr)
+        print(f"{who}: give a log file, or pipe one in (`... 2>&1 | {prog} -`)", file=sys.stderr)
         return 2
+    from dspatch import registry
+
+    try:
+        with open_log(args.log) as f:
+            text = skim(f, list(registry.all_patches().values()))
+    except (OSError, EOFError, Unreadable) as e:  # EOFError: a gzip cut short
+        print(f"{who}: cannot read {'standard input' if args.log == '-' else args.log}: "
+              f"{getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{who}: interrupted", file=sys.stderr)
+        return 130
     count, bugs, choices, aside = explain(text)
     try:
         if args.json:

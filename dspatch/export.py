@@ -34,8 +34,8 @@ def _touches(diff, checkout):
     return any(os.path.exists(os.path.join(checkout, path)) for path in paths)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m dspatch.export", description=__doc__.splitlines()[0],
+def main(argv=None, prog="python -m dspatch.export"):
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--out", help="directory to write the .patch files into")

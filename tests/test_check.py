@@ -12,7 +12,7 @@ HEAVY = ("torch", "deepspeed", "transformers", "accelerate", "trl", "wrapt")
 
 def test_check_imports_no_target_and_no_torch():
     code = ("import sys, json, contextlib, io\n"
-            "from dspatch.apply import main\n"
+            "from dspatch.cli import legacy_main as main\n"
             "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
             "    rc = main(['--check', '--json'])\n"
             "print(json.dumps({'rc': rc, 'report': json.loads(out.getvalue()), 'modules': sorted(sys.modules)}))\n")
@@ -169,7 +169,7 @@ def test_plain_flags_read_without_argparse_as_argparse_reads_them():
 
     import importlib
 
-    apply = importlib.import_module("dspatch.apply")  # (dspatch.apply, the name, is also dspatch's function)
+    apply = importlib.import_module("dspatch.cli")
     flags = list(apply._PLAIN_FLAGS)
     for n in range(len(flags) + 1):
         for argv in itertools.permutations(flags, n) if n < 3 else itertools.combinations(flags, n):

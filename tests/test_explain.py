@@ -193,7 +193,7 @@ def test_unreadable_log_is_one_line_and_exit_2(tmp_path):
 def test_empty_input_and_binary_garbage_are_read_not_crashed_on(tmp_path):
     assert _run("").returncode == 1
     log = tmp_path / "job.log"
-    log.write_bytes(b"\xff\xfe\x00\x01 garbage\n\x1b[1mValueError: failed to find frozen x\xff\n")
+    log.write_bytes(b"\xff\xc3\x01 garbage\n\x1b[1mValueError: failed to find frozen x\xff\n")  # not UTF-8
     proc = run_python(["-m", "dspatch.explain", str(log)], check=False)
     assert proc.returncode == 0 and proc.stdout.startswith("deepspeed/frozen-param-names: "), proc.stderr
 
@@ -241,3 +241,46 @@ def test_a_copy_of_trls_add_hooks_in_another_project_is_not_trls_bug():
                         ("/work/myproject/src/rl/utils.py", False), ("/venv/site-packages/openrlhf/utils.py", False)):
         assert _found(frame.format(path) + error, patch) == ((["trl/zero3-generation-hooks"], []) if named else ([], [])), path
     assert _found(error, patch) == (["trl/zero3-generation-hooks"], [])
+
+
+def test_gzip_and_utf16_logs_are_read_and_what_is_not_text_is_said(tmp_path):
+    """A gzipped log and a UTF-16 one (what PowerShell's `>` writes) name the bug as the plain log does; a binary
+    file is an error (exit 2) that says so, never "no known bug"."""
+    import gzip
+
+    plain = tmp_path / "job.log"
+    plain.write_text(FROZEN, encoding="utf-8")
+    (tmp_path / "job.log.gz").write_bytes(gzip.compress(FROZEN.encode()))
+    (tmp_path / "job16.log").write_text(FROZEN, encoding="utf-16")  # with its byte-order mark
+    for name in ("job.log", "job.log.gz", "job16.log"):
+        proc = run_python(["-m", "dspatch.explain", "--json", str(tmp_path / name)], env=clean_env(), check=False)
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert [bug["id"] for bug in json.loads(proc.stdout)["bugs"]] == ["deepspeed/frozen-param-names"], name
+    (tmp_path / "model.bin").write_bytes(bytes(range(256)) * 100)
+    for path in (tmp_path / "model.bin", tmp_path / "missing.log"):
+        proc = run_python(["-m", "dspatch.explain", str(path)], env=clean_env(), check=False)
+        assert proc.returncode == 2 and "cannot read" in proc.stderr and "No known bug" not in proc.stdout, proc
+    assert "not text" in run_python(["-m", "dspatch.explain", str(tmp_path / "model.bin")], env=clean_env(),
+                                    check=False).stderr
+
+
+def test_no_log_on_a_terminal_prints_the_usage(monkeypatch, capsys):
+    class Terminal:
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal())
+    assert explain.main([]) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_each_signature_is_found_by_its_fixed_words():
+    """Every message pattern has fixed words the skim searches for (else a long log would be read line by line),
+    and every log-wide pattern has fixed text."""
+    plan = explain._plan(list(registry.all_patches().values()))
+    assert plan is not None
+    triggers, anywhere = plan
+    assert all(len(word) >= 4 for word in triggers)
+    assert explain._required(r"'(?!NoneType')\w+' object has no attribute 'x_y'") == {"' object has no attribute 'x_y'"}
+    assert explain._required(r"(grpo|ppo)_trainer\.py|rollout") == {"_trainer.py", "rollout"}
+    assert explain._required(r"(?i)deepspeed") is None and explain._required(r"\w+") is None

@@ -93,3 +93,31 @@ def test_how_often_the_right_bug_is_named(monkeypatch, capsys):
     total = sum(t for _, t in shown.values())
     undecidable = sum(1 for path in LOGS if read(path)[0].get("decides", "").startswith("no"))
     assert right == total - undecidable
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 97])
+def test_a_log_skimmed_from_its_file_reads_as_the_whole_log(chunk, monkeypatch, tmp_path):
+    """What the command line reads (dspatch.explain.skim: plain search for each message's words, then only the lines
+    around them and those the log-wide patterns and versions need) decides every real log as reading every line
+    does: the same bugs named, the same choices, the same line numbers; also when each log is buried in 4,000
+    lines of training output and when the chunks it is read in are cut every 97 bytes."""
+    noise = "".join(f"[rank{i % 2}]: {{'loss': 0.{i:04d}, 'grad_norm': 1.2}} step {i}/4000 [00:01<00:09]\r\n"
+                    for i in range(4000))
+    monkeypatch.setattr(explain, "_CHUNK", chunk)
+    patches = list(PATCHES.values())
+    for number, path in enumerate(LOGS):
+        header, text = read(path)
+        installed = dict(pair.split("=") for pair in header.get("environment", "").split())
+        monkeypatch.setattr(explain, "_environment_versions",
+                            lambda names: {n: v for n, v in installed.items() if n in names})
+        if chunk < 1000 and number % 10:  # small chunks: every tenth log (CI time)
+            continue
+        for body in (text, noise + text + "\n" + noise[:20000]) if number % 3 == 0 else (text,):
+            file = tmp_path / "job.log"
+            file.write_text(body, encoding="utf-8")
+            with open(file, "rb") as f:
+                skimmed = explain.find(explain.skim(f, patches), patches)
+            whole = explain.find(explain.clean_lines(body), patches)
+            summary = [[[(item["patch"].id if "patch" in item else [p.id for p in item["patches"]], item["line"])
+                         for item in kind] for kind in part] for part in (skimmed, whole)]
+            assert summary[0] == summary[1], (path, summary)

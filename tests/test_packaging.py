@@ -62,6 +62,7 @@ def test_wheel_install_activate_uninstall(tmp_path):
     assert _activation(python) == ([], ["dspatch", "dspatch._boot", "dspatch._hook"])
     report = _check_json(python)
     assert report["patches"][0]["verdict"] == "not installed"
+    _console_script_runs_each_command(python, tmp_path)
     _uninstall(python)
     assert _site_entries(python) == []
 
@@ -76,3 +77,38 @@ def test_editable_install_activate_uninstall(tmp_path):
     assert _check_json(python)["patches"][0]["id"] == "deepspeed/zero3-module-id"
     _uninstall(python)
     assert _site_entries(python) == []
+
+
+def _console_script_runs_each_command(python, tmp_path):
+    """The installed `dspatch` command: --help lists the commands; check, verify, explain, export and run each do
+    their job; a script calling dspatch.apply() runs under `dspatch run` and the old `dspatch script.py`."""
+    command = os.path.join(os.path.dirname(python), "dspatch")
+
+    def dspatch(*args, stdin=None):
+        return subprocess.run([command, *args], env=clean_env(), capture_output=True, text=True, cwd=str(tmp_path),
+                              input=stdin)
+
+    usage = dspatch("--help")
+    assert usage.returncode == 0 and all(f"  {name} " in usage.stdout for name in
+                                         ("check", "verify", "explain", "export", "run")), usage.stdout
+    assert json.loads(dspatch("check", "--json").stdout)["patches"][0]["verdict"] == "not installed"
+    assert dspatch().stdout == dspatch("check").stdout != ""
+    verify = dspatch("verify")  # nothing applies without the packages: nothing to run, nothing failed
+    assert verify.returncode == 0 and "deepspeed/zero3-module-id" in verify.stdout, verify
+    log = "AssertionError: no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage 2\n"
+    explained = dspatch("explain", "-", "--json", stdin=log)
+    assert explained.returncode == 0, explained
+    assert [bug["id"] for bug in json.loads(explained.stdout)["bugs"]] == ["accelerate/deepspeed-no-sync"]
+    exported = dspatch("export", "--out", str(tmp_path / "prs"))
+    assert exported.returncode == 1 and "no diff" in (exported.stdout + exported.stderr).lower(), exported
+    assert dspatch("export", "--out", str(tmp_path / "all"), "--all").returncode == 0
+    assert list((tmp_path / "all").glob("deepspeed/*.patch"))
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys, dspatch\nprint(os.environ['DSPATCH'], sorted(dspatch.apply(['deepspeed'])), "
+                      "sys.argv[1:])\n")
+    for args in (("run", str(script), "--lr", "1"), (str(script), "--lr", "1")):
+        ran = dspatch(*args)
+        assert ran.returncode == 0, ran
+        assert ran.stdout.startswith("1 ['deepspeed/") and ran.stdout.rstrip().endswith("['--lr', '1']"), ran.stdout
+    unknown = dspatch("explian")
+    assert unknown.returncode == 2 and "not a command" in unknown.stderr and "explain" in unknown.stderr
