@@ -284,3 +284,18 @@ def test_each_signature_is_found_by_its_fixed_words():
     assert explain._required(r"'(?!NoneType')\w+' object has no attribute 'x_y'") == {"' object has no attribute 'x_y'"}
     assert explain._required(r"(grpo|ppo)_trainer\.py|rollout") == {"_trainer.py", "rollout"}
     assert explain._required(r"(?i)deepspeed") is None and explain._required(r"\w+") is None
+
+
+def test_weights_only_refusal_is_certain_only_with_a_frame_of_the_affected_loader(monkeypatch):
+    """A DeepSpeed global in torch's weights-only refusal says what was loaded, not by whom: without a frame of the
+    loaders deepspeed <= 0.15.4 has wrong, the bug is offered beside the other loaders that write it, never named."""
+    monkeypatch.setattr(explain, "_environment_versions", lambda names: {"deepspeed": "0.14.4", "torch": "2.6.0"})
+    patch = registry.all_patches()["deepspeed/checkpoint-weights-only"]
+    refusal = ("_pickle.UnpicklingError: Weights only load failed.\n"
+               "Unsupported global: GLOBAL deepspeed.runtime.zero.config.ZeroStageEnum was not an allowed global\n")
+    named, undecided, _ = explain.find(explain.clean_lines(refusal), [patch])
+    assert not named and [[p.id for p in u["patches"]] for u in undecided] == [[patch.id]] and undecided[0]["also"]
+    frame = ('Traceback (most recent call last):\n  File "/v/deepspeed/runtime/checkpoint_engine/'
+             'torch_checkpoint_engine.py", line 28, in load\n    partition = torch.load(path, map_location=map_location)\n')
+    named, undecided, _ = explain.find(explain.clean_lines(frame + refusal), [patch])
+    assert [n["patch"].id for n in named] == [patch.id] and named[0]["confidence"] == "certain" and not undecided

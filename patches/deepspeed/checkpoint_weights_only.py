@@ -101,8 +101,18 @@ PATCH = Patch(
     supported=">=0.14.1",
     diffs={">=0.14.1,<=0.15.4": "deepspeed/0002-checkpoint-weights-only-0.14.1-0.15.4.patch"},
     # DeepSpeed's own load: a deepspeed frame or a deepspeed global refused (torch.load elsewhere is not this bug)
+    # a DeepSpeed global in the refusal says a DeepSpeed checkpoint was loaded, not by whom: every loader of one with
+    # weights_only on torch >= 2.6 writes it (newer DeepSpeed engines, a user's torch.load); a frame of the four
+    # affected loaders decides
     signatures=(Signature(r"Weights only load failed", error="UnpicklingError",
-                          needs=(r"[/\\]deepspeed[/\\].*\.py|GLOBAL deepspeed\.|deepspeed\.runtime\.",)),),
+                          needs=(r"[/\\]deepspeed[/\\].*\.py|GLOBAL deepspeed\.|deepspeed\.runtime\.",),
+                          hints=(r"torch_checkpoint_engine\.py|base_optimizer\.py|zero_to_fp32\.py|\b(parse_model_states"
+                                 r"|parse_optim_states|load_hp_checkpoint_state_from_checkpoint_dir)\b",),
+                          tell="a frame of DeepSpeed's torch_checkpoint_engine.py, base_optimizer.py or zero_to_fp32.py "
+                               "is in the traceback",
+                          also="another loader of a DeepSpeed checkpoint with weights_only on torch >= 2.6 (DeepSpeed's "
+                               "newer checkpoint engines, a user's or a framework's own torch.load) writes the same "
+                               "lines"),),
     note=("the four loaders keep their objects, names and line numbers but run code rebuilt from the installed "
           "file with `weights_only=False` added to its torch.load call; only load checkpoints you trust "
           "(a pickle can run code), as with upstream >= 0.16.0"),
