@@ -154,24 +154,36 @@ def tf444_ds16(session):
 
 @nox.session(python="3.11")
 def demo(session):
-    """The main job: old stack, `--check`, then a tiny 2-rank ZeRO-3 MoE job, stock and with DSPATCH=1."""
+    """The main job: on the old stack, a tiny 2-rank ZeRO-3 mixture-of-experts job, stock then with DSPATCH=1; then
+    what `dspatch check` says applies here, and why the job applied fewer."""
     install_stack(session, "old")
     env = {"DS_ACCELERATOR": "cpu"}
-    session.run("python", "-m", "dspatch.apply", "--check", env=env)
     job = ["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
            "examples/zero3_expert_ids.py"]
+    session.log("The job: a mixture-of-experts model whose 4 experts carry their own `.id` (the slot each is placed "
+                "on, which routing reads), 3 ZeRO-3 steps on 2 ranks, deepspeed 0.14.4.")
     seen = {}
-    for label, extra, args in (("stock deepspeed 0.14.4", {}, []), ("DSPATCH=1", {"DSPATCH": "1"}, ["--require-fixed"])):
-        session.log(f"{label}: a 2-rank ZeRO-3 job whose experts carry their own ids")
+    for label, extra, args in (("stock", {}, []), ("DSPATCH=1", {"DSPATCH": "1"}, ["--require-fixed"])):
         out = session.run(*job, *args, env={**env, **extra}, silent=True)
         seen[label] = sorted(line for line in out.splitlines() if line.startswith("rank "))
+        session.log(f"{label}:")
         for line in seen[label]:
             session.log(f"  {line}")
+        if label == "stock":
+            session.log("  ZeRO-3 numbered every module with `module.id`, overwriting the experts' own: code that "
+                        "places or routes experts by `.id` now picks the wrong one, and nothing fails.")
     stock, patched = seen.values()
-    session.log("summary: stock: " + ("ids overwritten on both ranks" if all("BUG" in x for x in stock) and len(stock) == 2
-                                      else f"{stock}"))
-    session.log("         DSPATCH=1: " + ("ids kept on both ranks" if all("kept" in x for x in patched) and
-                                          len(patched) == 2 else f"{patched}"))
+    session.log("summary: stock: " + ("ids overwritten on both ranks" if len(stock) == 2 and
+                                      all("BUG" in x for x in stock) else f"{stock}"))
+    session.log("         DSPATCH=1: " + ("ids kept on both ranks" if len(patched) == 2 and
+                                          all("kept" in x for x in patched) else f"{patched}"))
+    report = json.loads(session.run("python", "-m", "dspatch.apply", "--check", "--json", env=env, silent=True))
+    applies = [row for row in report["patches"] if row["verdict"] == "applies"]
+    session.log(f"`dspatch check` here: {len(applies)} of {len(report['patches'])} patches apply to this stack:")
+    for row in applies:
+        session.log(f"  {row['id']} ({row['distribution']}=={row['version']})")
+    session.log("The job applied only those of the packages it imports (deepspeed, accelerate): a patch is applied "
+                "when its package is imported, so transformers' and trl's wait for a job that imports them.")
 
 
 @nox.session(python="3.11")

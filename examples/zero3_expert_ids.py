@@ -18,10 +18,13 @@ def main():
     deepspeed.utils.logger.setLevel(logging.WARNING)  # DeepSpeed's config dump would bury the two result lines
     placed, now = expert_ids_through_training(steps=3)
 
-    where = f"deepspeed {deepspeed.__version__}, dspatch: {dspatch._runtime.applied_ids() or 'not active'}"
+    applied = dspatch._runtime.applied_ids()
+    named = "deepspeed/zero3-module-id among them" if "deepspeed/zero3-module-id" in applied else "not that one"
+    where = f"deepspeed {deepspeed.__version__}; " + (f"dspatch applied {len(applied)} patches, {named}" if applied
+                                                       else "dspatch not active")
     rank = os.environ.get("RANK", "0")
     if now == placed:
-        say(f"rank {rank}: expert ids kept {now} ({where})")
+        say(f"rank {rank}: expert ids kept: {now} ({where})")
         return 0
     say(f"rank {rank}: BUG: expert ids {placed} became {now} ({where})")
     return 1 if "--require-fixed" in sys.argv else 0

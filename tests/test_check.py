@@ -1,5 +1,6 @@
 """`python -m dspatch.apply --check`: reads, never imports; tells the truth about this environment."""
 import json
+import os
 
 import pytest
 
@@ -131,12 +132,16 @@ def test_files_without_metadata_are_a_broken_install_not_absent(tmp_path):
 
 
 @pytest.mark.stack
-def test_export_writes_exactly_the_installed_releases_diffs_and_they_apply(tmp_path, deepspeed_copy):
-    """What a new user does: export, then apply to the installed release's source. One diff per patch that
-    applies (its band), each accepted by `git apply --check`; --check-against says so a line each."""
+def test_export_writes_series_that_git_am_applies_to_the_released_source(tmp_path, deepspeed_copy):
+    """What a new user does: export, then `git am` each project's series, in order, on the installed release's source
+    as released (its sdist): every diff of every patch that applies here lands, those that change neighbouring
+    lines of one file included; --check-against a deepspeed checkout says of each deepspeed diff that it applies."""
+    import shutil
     import subprocess
 
-    from dspatch import registry
+    from dspatch import data_dir, export, registry
+
+    from upstream_releases import release_tree
 
     site, _ = deepspeed_copy
     out = tmp_path / "prs"
@@ -146,18 +151,34 @@ def test_export_writes_exactly_the_installed_releases_diffs_and_they_apply(tmp_p
                  if r["verdict"] == gating.APPLIES]
     # a set: patches that share one upstream change (trl's DPO and KTO halves) share its diff, written once
     expected = sorted(set(per_patch))
-    ours = [path for path in expected if path.startswith("deepspeed/")]  # the checkout given is deepspeed's
-    written = sorted(str(p.relative_to(out)) for p in out.rglob("*.patch")) if out.exists() else []
-    assert written == expected
     if not expected:
         assert proc.returncode == 1 and "no patch applies" in proc.stderr
         return
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # a line per patch (two patches sharing a diff: two lines)
+    ours = [path for path in expected if path.startswith("deepspeed/")]  # the checkout given is deepspeed's
     assert proc.stdout.count(": applies") == len([path for path in per_patch if path in ours])
-    assert proc.stdout.count(": skipped (its files are not in") == len([path for path in per_patch if path not in ours])
-    for relative in ours:
-        subprocess.run(["git", "apply", "--check", str(out / relative)], cwd=site, check=True)
+    projects = sorted({path.split("/")[0] for path in expected})
+    assert sorted(folder.name for folder in out.iterdir()) == projects
+    for project in projects:
+        diffs = [os.path.join(data_dir("upstream_prs"), path) for path in expected if path.startswith(project + "/")]
+        written = sorted((out / project).glob("*.patch"))
+        assert len(written) == len(diffs), (project, written)
+        version = gating.installed_version(project)
+        paths = sorted({p for diff in diffs for p in export._paths(diff, existing=True)})
+        repo = tmp_path / f"{project}-{version}"
+        shutil.copytree(release_tree(project, version, paths), repo)
+        for command in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                                                        "-m", "release"]):
+            subprocess.run(["git", *command], cwd=repo, check=True)
+        am = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "am", *map(str, written)], cwd=repo,
+                            capture_output=True, text=True)
+        assert am.returncode == 0, (project, am.stdout, am.stderr)
+        assert all(export._adds_all(diff, str(repo)) for diff in diffs), project
+
+
+def test_export_check_against_a_folder_without_the_files_is_an_error(tmp_path):
+    proc = run_python(["-m", "dspatch.export", "--all", "--check-against", str(tmp_path)], check=False)
+    assert proc.returncode == 1 and "none of the diffs' files is in" in proc.stderr, proc
 
 
 def dspatch_check_rows():
