@@ -15,7 +15,16 @@ import sys
 from dspatch import registry
 
 START, END = "<!-- patch-table:start -->", "<!-- patch-table:end -->"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def checkout():
+    """The source checkout the pages belong to: this package's parent in an editable install, else the current
+    directory when it is a checkout (a wheel's package sits in site-packages, beside no README)."""
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for root in (parent, os.getcwd()):
+        if os.path.isfile(os.path.join(root, "README.md")) and os.path.isdir(os.path.join(root, "patches")):
+            return root
+    raise SystemExit("dspatch.docs: run it in a dspatch source checkout (no README.md and patches/ here)")
 
 
 def page_path(pid):
@@ -166,20 +175,22 @@ def rewrite_readme(text):
     return head + readme_block() + rest.split(END, 1)[1]
 
 
-def expected():
+def expected(root=None):
     """{path relative to the repository root: content} of every generated page."""
+    root = root or checkout()
     pages = {"docs/patches/README.md": index_page()}
     for pid in registry.all_patches():
         pages[page_path(pid)] = patch_page(pid)
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
         pages["README.md"] = rewrite_readme(f.read())
     return pages
 
 
-def stale(root=ROOT):
+def stale(root=None):
     """Paths whose content differs from what the registry generates, and generated pages of no patch."""
+    root = root or checkout()
     found = []
-    pages = expected()
+    pages = expected(root)
     for path, content in pages.items():
         full = os.path.join(root, path)
         if not os.path.exists(full) or open(full, encoding="utf-8").read() != content:
@@ -199,9 +210,10 @@ def main(argv=None):
         changed = stale()
         print("\n".join(changed) if changed else "every generated page is current")
         return 1 if changed else 0
-    pages = expected()
-    for path in stale():
-        full = os.path.join(ROOT, path)
+    root = checkout()
+    pages = expected(root)
+    for path in stale(root):
+        full = os.path.join(root, path)
         if path not in pages:
             os.remove(full)
             continue

@@ -259,8 +259,8 @@ def test_patch_pages_and_tables_are_generated_from_the_registry():
     under docs/patches: as `python -m dspatch.docs --write` writes them."""
     from dspatch import docs
 
-    assert docs.stale() == [], "generated pages are stale: run `python -m dspatch.docs --write`"
-    pages = docs.expected()
+    assert docs.stale(ROOT) == [], "generated pages are stale: run `python -m dspatch.docs --write`"
+    pages = docs.expected(ROOT)
     for pid, patch in registry.all_patches().items():
         page = pages[docs.page_path(pid)]
         assert f"# {pid}\n" in page and patch.summary in page and patch.symptom
