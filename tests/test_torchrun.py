@@ -61,4 +61,4 @@ def test_the_main_job(tmp_path):
     patched = job(clean_env(DSPATCH="1"), "--require-fixed")
     assert [line.split(" (")[0] for line in patched] == [f"rank {r}: expert ids kept: [0, 1, 2, 3]" for r in (0, 1)], \
         patched
-    assert all("deepspeed/zero3-module-id among them" in line and len(line) < 120 for line in patched), patched
+    assert all("deepspeed/zero3-module-id among them" in line and len(line) < 130 for line in patched), patched
