@@ -313,9 +313,9 @@ def test_check_verify_shows_bug_and_fix_on_this_machine():
         assert [line.split(": ")[2].split(" (")[0].split(" done")[0] for line in progress] == \
             ["stock", "stock", "patched", "patched"], progress
         # the plain rendering of these same results (the reproducers are not run a second time)
-        shown = run_python(["-c", "import sys, dspatch.apply as a, json; rows = json.loads(sys.stdin.read()); "
+        shown = run_python(["-c", "import sys, dspatch.cli as a, json; rows = json.loads(sys.stdin.read()); "
                                   "a._verify = lambda patch, progress=None: (rows['ok'], rows['summary'], "
-                                  "rows['scenarios']); sys.exit(a.main(['--check', '--verify', '--only', sys.argv[1]]))",
+                                  "rows['scenarios']); sys.exit(a.legacy_main(['--check', '--verify', '--only', sys.argv[1]]))",
                             PID], input=__import__("json").dumps(row["verify"]), check=False).stdout
         assert "    placement_during_training: stock: bug: ZeRO-3 prefetch bookkeeping broke: IndexError: pop " \
                "from an empty deque; patched: ok" in shown, shown
