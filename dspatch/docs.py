@@ -55,7 +55,7 @@ def full_table():
              "|---|---|---|---|---|---|---|"]
     for pid, p in registry.all_patches().items():
         diffs = "<br>".join(f"`{path}` ({band})" for band, path in p.diffs.items())
-        lines.append(f"| [`{pid}`]({pid.split('/')[0]}/{pid.split('/')[1]}.md) | {_cell(p.summary)} | "
+        lines.append(f"| [`{pid}`]({pid}.md) | {_cell(p.summary)} | "
                      f"{p.distribution} {p.affected} | {p.fixed_in or 'not yet'} | {p.supported or 'all affected'} | "
                      f"{_links(p)} | {diffs} |")
     return "\n".join(lines)
@@ -107,7 +107,7 @@ def _verdicts(patch):
     if patch.supported:
         out.append(f"- written and tested for: `{patch.supported}` (older releases with the bug: unsupported, "
                    "left alone)")
-    checked = getattr(patch, "releases_checked", None)
+    checked = patch.releases_checked
     if checked:
         out.append(f"- every release from {checked[0]} to {checked[-1]} is checked from its released source "
                    "(tests/test_releases.py): verdict, fingerprints, diff band")
@@ -127,7 +127,7 @@ def _targets(patch):
 
 def _signatures(patch):
     if not patch.signatures:
-        why = getattr(patch, "silent", "")
+        why = patch.silent
         return [f"No log signature: {why}." if why else "No log signature."]
     rows = ["| error | message (regular expression) | also needs |", "|---|---|---|"]
     for s in patch.signatures:

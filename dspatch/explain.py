@@ -24,6 +24,7 @@ Exit status: 0 when a known bug (a choice of two, or one set aside) was found, 1
 2 when the log cannot be read.
 """
 import argparse
+import functools
 import json
 import os
 import re
@@ -89,7 +90,7 @@ def _join_debugger_lines(lines, numbers):
 
 
 class Sparse:
-    """A long log's lines of which only those that can matter were read (see read_log): the others read as empty
+    """A long log's lines of which only those that can matter were read (see skim): the others read as empty
     lines, which no signature, version or traceback pattern matches. Indexed and sliced as a list."""
 
     def __init__(self, count, kept):
@@ -389,7 +390,7 @@ def _entry(patch, environ):
 
 def explain(text, patches=None, environ=None):
     """(lines read, bugs named, choices left open, bugs set aside by the versions here): JSON-ready dicts. `text` is
-    the log (a str) or its lines as read_log gives them."""
+    the log (a str) or its lines as skim gives them."""
     from dspatch import registry
 
     patches = list(registry.all_patches().values()) if patches is None else patches
@@ -413,9 +414,11 @@ _CHUNK = 16 << 20  # bytes read at a time: memory stays a few chunks whatever th
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]{3,}")
 
 
+@functools.lru_cache(maxsize=None)
 def _required(pattern):
     """Fixed strings, one of which is in every text the regular expression matches (None when it cannot tell), so
-    that a line holding none of them can be skipped unread. Read from the pattern's parse tree."""
+    that a line holding none of them can be skipped unread. Read from the pattern's parse tree (once per pattern:
+    skim and every find() ask)."""
     try:
         from re import _parser as parser, _constants as constants
     except ImportError:  # Python < 3.11
@@ -451,7 +454,8 @@ def _required(pattern):
     parsed = parser.parse(pattern)
     if parsed.state.flags & constants.SRE_FLAG_IGNORECASE:
         return None
-    return needed(list(parsed))
+    found = needed(list(parsed))
+    return frozenset(found) if found else None
 
 
 def _trigger(pattern):
@@ -489,7 +493,7 @@ def _plan(patches):
 def _message_lines(chunk, first, word, uses):
     """Line numbers of the chunk where a message of `uses` may start: a line that holds `word`, or one of the
     _JOINED lines above it, when those lines also hold two words of one of its fixed texts (all, if it has one)."""
-    found = []
+    found = set()
     at = chunk.find(word)
     while at >= 0:
         start = chunk.rfind(b"\n", 0, at) + 1
@@ -504,14 +508,9 @@ def _message_lines(chunk, first, word, uses):
         near = chunk[start:end]
         if any(sum(w.encode() in near for w in words) >= min(2, len(words))
                for _, _, alternatives in uses for words in alternatives):
-            found.append(start)
+            found.add(start)
         at = chunk.find(word, chunk.find(b"\n", at) + 1 or len(chunk))
-    numbers, counted, line = set(), 0, first
-    for position in sorted(found):
-        line += chunk.count(b"\n", counted, position)
-        counted = position
-        numbers.update(range(line, line + _JOINED + 1))
-    return numbers
+    return {n + k for n in _numbered(chunk, first, found) for k in range(_JOINED + 1)}
 
 
 def _chunks(f):
@@ -530,7 +529,7 @@ def _chunks(f):
         line += newlines
 
 
-_ANSI_BYTES = re.compile(rb"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
+_ANSI_BYTES = re.compile(_ANSI.pattern.encode())  # the same codes, in the raw bytes
 
 
 def _strip_ansi(data):
@@ -547,6 +546,11 @@ def _lines_holding(chunk, first, texts, search=None):
         while at >= 0:
             starts.add(search.rfind(b"\n", 0, at) + 1)
             at = search.find(text, search.find(b"\n", at) + 1 or len(search))
+    return _numbered(chunk, first, starts)
+
+
+def _numbered(chunk, first, starts):
+    """{line number: offset} of line starts in the chunk (whose first line is number `first`)."""
     found, counted, line = {}, 0, first
     for start in sorted(starts):
         line += chunk.count(b"\n", counted, start)

@@ -32,9 +32,7 @@ def _chosen(everything):
 
 def _touches(diff, checkout):
     """Whether a file the diff changes exists in the checkout (a deepspeed checkout holds no accelerate file)."""
-    with open(diff, encoding="utf-8") as f:
-        paths = [line[6:].strip() for line in f if line.startswith("--- a/")]
-    return any(os.path.exists(os.path.join(checkout, path)) for path in paths)
+    return any(os.path.exists(os.path.join(checkout, path)) for path in _paths(diff, existing=True))
 
 
 def _installed_file(path):
@@ -109,7 +107,8 @@ def series(diffs, out):
             merged = {}
             for path in _paths(diff):  # a 3-way merge per file: release, release + earlier diffs, release + this one
                 if not os.path.exists(os.path.join(pristine, path)):  # a file the diff creates
-                    merged[path] = open(os.path.join(alone, path), encoding="utf-8").read()
+                    with open(os.path.join(alone, path), encoding="utf-8") as f:
+                        merged[path] = f.read()
                     continue
                 merge = _git(repo, "merge-file", "-p", os.path.join(repo, path), os.path.join(pristine, path),
                              os.path.join(alone, path))
@@ -126,17 +125,18 @@ def series(diffs, out):
                     f.write(text)
             shutil.rmtree(alone)
             message = os.path.join(work, "message")
-            info = _git(repo, "mailinfo", message, os.path.join(work, "body"), stdin=open(diff, encoding="utf-8").read())
+            with open(diff, encoding="utf-8") as f:
+                info = _git(repo, "mailinfo", message, os.path.join(work, "body"), stdin=f.read())
             subject = next((line[9:] for line in info.stdout.splitlines() if line.startswith("Subject: ")), "")
             with open(message, encoding="utf-8") as f:
                 body = f.read()
             _git(repo, "add", "-A")
             _git(repo, "commit", "-q", "-m", f"{subject}\n\n{body}")
         os.makedirs(out, exist_ok=True)
-        written = _git(repo, "format-patch", "-q", "-o", os.path.abspath(out), "HEAD~" + str(len(diffs)))
+        written = _git(repo, "format-patch", "-o", os.path.abspath(out), "HEAD~" + str(len(diffs)))
         if written.returncode:
             raise ValueError(written.stderr.strip())
-        return sorted(os.path.join(out, name) for name in os.listdir(out) if name.endswith(".patch"))
+        return written.stdout.splitlines()  # the files it wrote (not others an earlier export left in `out`)
 
 
 def main(argv=None, prog="python -m dspatch.export"):

@@ -138,18 +138,14 @@ class Patch:
     @property
     def scenarios(self):
         """{name: reproducer}, from the reproducers module (imported on first use)."""
-        module = self._reproducers()
-        return dict(getattr(module, "SCENARIOS", {})) if module else {}
+        return dict(self._declared("SCENARIOS", {}))
 
     @property
     def declared_on_stock(self):
         """{scenario: (fragment, releases)}: every stock failure declared, with the specifier of the releases that
         show it (None: every release the patch applies to)."""
-        module = self._reproducers()
-        if not module:
-            return {}
-        only = getattr(module, "STOCK_FAILS_ON", {})
-        return {name: (fragment, only.get(name)) for name, fragment in getattr(module, "EXPECTED_ON_STOCK", {}).items()}
+        only = self._declared("STOCK_FAILS_ON", {})
+        return {name: (fragment, only.get(name)) for name, fragment in self._declared("EXPECTED_ON_STOCK", {}).items()}
 
     @property
     def expected_on_stock(self):
@@ -171,10 +167,10 @@ class Patch:
 
     @property
     def band_check(self):
-        module = self._reproducers()
-        return getattr(module, "BAND_CHECK", None) or next(iter(self.expected_on_stock), None)
+        return self._declared("BAND_CHECK", None) or next(iter(self.expected_on_stock), None)
 
     def _declared(self, name, default):
+        """What the reproducers module declares under `name`, or `default` (no such name, or no module)."""
         module = self._reproducers()
         return getattr(module, name, default) if module else default
 

@@ -24,14 +24,10 @@ def _matrix_versions(distribution):
 def _declared(target, version):
     """The fingerprint the patch declares for `version`'s source of `target` (the unit session checks every
     declaration against the released sources), or None where no entry names that release."""
-    from packaging.version import Version
+    from upstream_releases import named_releases
 
-    for fingerprint, releases in target.fingerprints.items():
-        for part in releases.split(","):
-            low, _, high = part.strip().partition("-")
-            if Version(low) <= Version(version) <= Version(high or low):
-                return fingerprint
-    return None
+    return next((fingerprint for fingerprint, releases in target.fingerprints.items()
+                 if named_releases(releases, [version])), None)
 
 
 def _target_code(patch, version, into):

@@ -20,7 +20,7 @@ from packaging.version import Version
 
 from dspatch import data_dir, gating, registry
 
-from upstream_releases import module_paths, release_tree, release_versions, tree_locate
+from upstream_releases import module_paths, named_releases, release_tree, release_versions, tree_locate
 
 pytestmark = pytest.mark.unit_only
 
@@ -112,16 +112,6 @@ def test_verdict_of_every_release(pid, version):
     assert check.returncode == 0, check.stderr
 
 
-def _in_range(text, versions):
-    """The releases of `versions` that a fingerprint table's "0.14.0-0.15.3" (or "0.16.3", or ranges separated by
-    commas) names."""
-    found = []
-    for part in text.split(","):
-        low, _, high = part.strip().partition("-")
-        found += [v for v in versions if Version(low) <= Version(v) <= Version(high or low)]
-    return sorted(set(found), key=Version)
-
-
 @pytest.mark.parametrize("pid", list(CHECKED))
 def test_recorded_fingerprints_are_exactly_the_released_ones(pid):
     """No stale entry, none missing, and each entry's release range is the releases that ship that source."""
@@ -134,7 +124,7 @@ def test_recorded_fingerprints_are_exactly_the_released_ones(pid):
             seen.setdefault(gating.fingerprint(locate(target.module), target.qualname), []).append(version)
         assert set(seen) == set(target.fingerprints), (target, {fp: (v[0], v[-1]) for fp, v in seen.items()})
         for fingerprint, versions in seen.items():
-            assert _in_range(target.fingerprints[fingerprint], have) == versions, (target, fingerprint, versions)
+            assert named_releases(target.fingerprints[fingerprint], have) == versions, (target, fingerprint, versions)
 
 
 @pytest.mark.parametrize("pid", list(CHECKED))

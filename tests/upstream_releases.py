@@ -66,6 +66,18 @@ def _index(project):
     return _indexes[project]
 
 
+def named_releases(text, versions):
+    """The releases of `versions` that a fingerprint table's "0.14.0-0.15.3" (or "0.16.3", or ranges separated by
+    commas) names."""
+    from packaging.version import Version
+
+    found = []
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        found += [v for v in versions if Version(low) <= Version(v) <= Version(high or low)]
+    return sorted(set(found), key=Version)
+
+
 def sdist_versions(project, low, high):
     from packaging.version import InvalidVersion, Version
 
