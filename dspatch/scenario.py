@@ -134,29 +134,161 @@ def rank_environment():
 
 
 def launch_ranks(module, args=(), nproc=2, timeout=600):
-    """Run `python -m <module> <folder> <args...>` as an `nproc`-rank torchrun job (gloo on the CPU), with
+    """Run `python -m <module> <folder> <args...>` as an `nproc`-rank job (gloo on the CPU), with
     rank_environment(); each rank writes its result with finish_rank. Returns the ranks' results in rank order.
     What the ranks print to stderr (upstream's tracebacks among it) is forwarded to this process's stderr, as a
-    job's log shows it."""
+    job's log shows it.
+
+    The ranks are forked from this process where that starts them as torchrun would (see _fork_refused): a rank's
+    interpreter start and imports are most of a small job's time (2 x 8-10 s on 2 cores, against 1-3 s of work).
+    Otherwise, or with DSPATCH_RANKS=torchrun, they are torchrun's fresh interpreters."""
     import json
-    import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="dspatch-ranks-") as folder:
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                               "--master_addr", "127.0.0.1", "--master_port", _free_port(), "-m", module, folder,
-                               *args], env=rank_environment(), capture_output=True, text=True, timeout=timeout,
-                              cwd=folder)
-        sys.stderr.write(proc.stderr[-20000:])
+        refused = _fork_refused()
+        how = f"torchrun ({refused})" if refused else "forked ranks"
+        code, stdout, stderr = (_torchrun if refused else _forked)(module, folder, args, nproc, timeout)
+        sys.stderr.write(stderr[-20000:])
         paths = [os.path.join(folder, f"rank{rank}.json") for rank in range(nproc)]
-        if proc.returncode != 0 or not all(os.path.exists(p) for p in paths):
-            raise RuntimeError(f"the {nproc}-rank job of {module} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-6000:]}")
+        if code != 0 or not all(os.path.exists(p) for p in paths):
+            raise RuntimeError(f"the {nproc}-rank job of {module} ({how}) exited {code}:\n{stdout[-3000:]}\n"
+                               f"{stderr[-6000:]}")
         results = []
         for path in paths:
             with open(path) as f:
                 results.append(json.load(f))
         return results
+
+
+def _rendezvous(rank, nproc, port):
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0", "ROLE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+
+
+def _torchrun(module, folder, args, nproc, timeout):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                           "--master_addr", "127.0.0.1", "--master_port", _free_port(), "-m", module, folder,
+                           *args], env=rank_environment(), capture_output=True, text=True, timeout=timeout,
+                          cwd=folder)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _fork_refused():
+    """Why this process cannot fork the ranks of a job as torchrun would start them, or None. A forked rank is
+    this process, imports and patches included, so it must hold nothing a fresh rank would not: no process group,
+    no accelerate state, no thread but the main one in Python. (Native threads: OpenBLAS re-creates its pool after a
+    fork, and a rank runs torch on one thread, as OMP_NUM_THREADS=1 gives torchrun's ranks, so torch's OpenMP pool
+    is never used there.) Patches whose targets a proof leaves out are reverted in the rank, which then runs without
+    the whole patch, as rank_environment() gives torchrun's."""
+    import threading
+
+    from dspatch import _runtime
+
+    if os.environ.get("DSPATCH_RANKS", "fork") == "torchrun":
+        return "DSPATCH_RANKS=torchrun"
+    if not hasattr(os, "fork") or sys.platform != "linux":
+        return "no fork() here"
+    if threading.active_count() > 1:
+        return "this process runs Python threads"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "this process is in a process group"
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and getattr(comm, "cdb", None) is not None:
+        return "this process initialized deepspeed.comm"
+    state = sys.modules.get("accelerate.state")
+    if state is not None and any(getattr(getattr(state, name, None), "_shared_state", None)
+                                 for name in ("PartialState", "AcceleratorState")):
+        return "this process holds accelerate's state"
+    if any(_runtime._applied[pid].intact() is False for pid in _runtime.applied_ids()):
+        return "a patch here is no longer whole"
+    return None
+
+
+def _forked(module, folder, args, nproc, timeout):
+    """The job's ranks as children of this process: (exit code, stdout, stderr) as torchrun's would be (the first
+    failing rank's code; the others stopped, as torchrun stops them)."""
+    import signal
+    import tempfile
+    import time
+
+    from dspatch import _runtime
+
+    env, port = rank_environment(), _free_port()
+    leave_out = [pid for pid in _runtime.applied_ids() if pid not in env.get("DSPATCH", "").split(",")]
+    logs = [tempfile.TemporaryFile("w+b") for _ in range(nproc)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = []
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:  # the rank: never returns
+            code = 1
+            try:
+                code = _be_rank(module, [folder, *args], {**env, **_rendezvous(rank, nproc, port)}, folder,
+                                logs[rank].fileno(), leave_out)
+            finally:
+                os._exit(code)
+        children.append(pid)
+    codes, deadline = {}, time.monotonic() + timeout
+    while len(codes) < nproc:
+        for pid in children:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        failed = [c for c in codes.values() if c != 0]
+        if (failed or time.monotonic() > deadline) and len(codes) < nproc:
+            time.sleep(1 if failed else 0)  # a failing rank's peers get a moment to write their own error
+            for pid in children:
+                if pid not in codes:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    codes[pid] = -9
+        time.sleep(0.02)
+    stderr = []
+    for rank, log in enumerate(logs):
+        log.seek(0)
+        stderr.append(log.read().decode("utf-8", "replace"))
+        log.close()
+    code = next((c for c in (codes[p] for p in children) if c != 0), 0)
+    return code, "", "".join(stderr)
+
+
+def _be_rank(module, argv, env, folder, log_fd, leave_out):
+    """In a forked child: become rank `env["RANK"]` of the job, `python -m module ARGV` in `folder`."""
+    import runpy
+    import traceback
+
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(folder)
+    if leave_out:
+        import dspatch
+
+        dspatch.revert(leave_out, force=True)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)  # OMP_NUM_THREADS=1 for torchrun's ranks: read by torch at its import only
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    finally:
+        leave_distributed()  # what atexit does in a fresh rank (this one leaves with os._exit: the parent's
+        sys.stdout.flush()  # exit handlers are not its own)
+        sys.stderr.flush()
+    return 0
 
 
 def finish_rank(folder, result):

@@ -32,9 +32,23 @@ BASE = ("numpy", "torch", "torch.distributed", "safetensors.torch")  # numpy fir
 # what importing deepspeed pulls in beside torch, none of it watched by dspatch: two thirds of deepspeed's import
 # time (6.5 s -> 2 s on 2 cores), which every run that imports the stack itself (mode "base", a copy of upstream)
 # would otherwise pay again
-BESIDE = ("torch._dynamo", "torch.distributed.tensor", "sympy", "pydantic", "requests", "huggingface_hub")
+BESIDE = ("torch._dynamo", "torch.distributed.tensor", "sympy", "pydantic", "requests", "huggingface_hub",
+          "datasets")  # datasets (pandas, pyarrow): 2-4 s in every run that imports trl or the Trainer's data code
 STACK = ("deepspeed", "transformers", "transformers.trainer", "accelerate", "peft", "trl")
 WATCHED = ("deepspeed", "transformers", "accelerate", "trl")  # dspatch._hook.WATCHED
+
+
+def _lazy():
+    """(unwatched, watched) modules a run imports late on this stack, when the file that imports them is installed:
+    deepspeed >= 0.18's engine imports its Muon optimizer at every initialize, whose torch.compile decorator pulls in
+    torch._inductor (3-4 s per run on 2 cores). Preloaded like the rest, so that runs pay for their own work only."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("deepspeed")  # a top-level spec: deepspeed itself is not imported
+    folder = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else ""
+    if os.path.exists(os.path.join(folder, "runtime", "zero", "muon", "original_muon.py")):
+        return ("torch._inductor.compile_fx",), ("deepspeed.runtime.zero.muon.muon_optimizer",)
+    return (), ()
 # Threads that may run when the zygote forks: OpenBLAS's pool, which numpy's import starts (OpenBLAS re-creates
 # it after a fork, pthread_atfork), and jemalloc's background thread (pyarrow's allocator, started by datasets;
 # jemalloc's own fork handlers). Any other thread, a Python thread or a pool started by importing (torch's
@@ -168,15 +182,16 @@ def plan(env, mode="stack"):
     watches either, so that every patch decision is made in the child, on the copy, as in a fresh run."""
     if os.environ.get("DSPATCH_WARM", "1") == "0":
         return None
+    unwatched, watched = _lazy()
     if mode == "base":
-        return (_without(env, "PYTHONPATH", *DSPATCH_VARS), BASE + BESIDE, tuple(WATCHED)) \
+        return (_without(env, "PYTHONPATH", *DSPATCH_VARS), BASE + BESIDE + unwatched, tuple(WATCHED)) \
             if not _packages_in_all(env) & {"torch", "dspatch"} else None
     copies = _packages_in_all(env)
     if "torch" in copies or "dspatch" in copies:
         return None
     base = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     if not copies:
-        return base, BASE + STACK, ()
+        return base, BASE + STACK + unwatched + watched, ()
     forbidden = set(copies)
     if base.get("DSPATCH", "").strip().lower() not in ("", "0", "false", "no", "off", "none"):
         forbidden |= set(WATCHED)
@@ -186,7 +201,7 @@ def plan(env, mode="stack"):
     needs = {"deepspeed": {"accelerate", "transformers"}, "transformers.trainer": {"accelerate", "peft"},
              "peft": {"transformers", "accelerate"}, "trl": {"transformers", "accelerate"}}
     preload = [m for m in STACK if m.partition(".")[0] not in forbidden and not needs.get(m, set()) & forbidden]
-    return base, BASE + BESIDE + tuple(preload), tuple(sorted(forbidden))
+    return base, BASE + BESIDE + unwatched + tuple(preload), tuple(sorted(forbidden))
 
 
 def run(args, env, cwd, input=None, timeout=900, mode="stack"):

@@ -8,7 +8,7 @@ from dspatch.spec import BugSeen
 
 # large weights (one async all-gather each, long enough to still run when the last one is done) and a tiny last
 # one: waiting for the last gather alone then returns while the large ones are still arriving
-LARGE, COUNT, TRIES = 1 << 20, 6, 60
+LARGE, COUNT, TRIES = 1 << 20, 6, 200
 
 
 def _job(folder):
@@ -42,7 +42,7 @@ def _job(folder):
 
 def gather_many_at_once():
     """2 ranks at ZeRO-3: GatheredParameters over 7 partitioned weights returns each of them whole, on both ranks,
-    every time (60 gathers)."""
+    every time (200 gathers)."""
     from dspatch.scenario import launch_ranks
 
     ranks = launch_ranks(__name__)
