@@ -158,7 +158,7 @@ def steps():
     from dspatch import gating, registry
 
     # the patches of what this job imports (deepspeed, accelerate); the Trainer's and trl's are not on its path
-    expected = [pid for pid, patch in registry.all_patches().items() if gating.evaluate(patch)[1] == gating.APPLIES
+    expected = [pid for pid, patch in registry.all_patches().items() if gating.evaluate(patch).verdict == gating.APPLIES
                 and patch.distribution in ("deepspeed", "accelerate")]
     missed = [pid for pid in expected if applied.get(pid, [0, 1])[0] != applied.get(pid, [0, 1])[1]]
     if missed or not same:

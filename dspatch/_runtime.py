@@ -203,7 +203,8 @@ def _fail(patch, verdict, reason, message, cause=None):
 
 
 def _apply_one(patch, late=False):
-    version, verdict, reason = gating.evaluate(patch)
+    found = gating.evaluate(patch)
+    version, verdict, reason = found.version, found.verdict, found.reason
     if verdict == gating.DRIFTED:
         return _fail(patch, verdict, reason, f"{patch.id} skipped: {reason}")
     if verdict != gating.APPLIES:

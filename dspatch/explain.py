@@ -358,7 +358,8 @@ def advice(patch, environ=None):
     from dspatch import gating, registry
 
     env = os.environ if environ is None else environ
-    version, verdict, reason = gating.evaluate(patch)
+    found = gating.evaluate(patch)
+    version, verdict, reason = found.version, found.verdict, found.reason
     try:
         selected = patch.id in registry.selection(None, env, "DSPATCH")[0] if registry.flag("DSPATCH", env) else False
     except registry.SelectionError:

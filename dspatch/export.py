@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from dspatch import data_dir, gating, status
+from dspatch import upstream
 
 
 def _chosen(everything):
@@ -40,7 +41,7 @@ def _installed_file(path):
     parts = path.split("/")
     if parts[0] == "src":
         parts = parts[1:]
-    init = gating.module_file(parts[0])
+    init = upstream.module_file(parts[0])
     if not init:
         return None
     found = os.path.join(os.path.dirname(os.path.dirname(init)), *parts)

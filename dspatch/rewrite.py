@@ -8,6 +8,7 @@ import sys
 import types
 
 from dspatch import gating
+from dspatch import upstream
 
 
 class RewriteError(RuntimeError):
@@ -56,8 +57,8 @@ def rebuild(target, transform, original, decorators=True):
     (deepspeed's `count=[0]`) are the original's own objects, shared, not reset."""
     module = sys.modules[target.module]
     # a copy of the definition's node from the installed file: line numbers, strings and columns as upstream's
-    definition = gating.own_definition(module.__file__, target.qualname) or \
-        copy_tree(gating.definition(module.__file__, target.qualname))
+    definition = upstream.own_definition(module.__file__, target.qualname) or \
+        copy_tree(upstream.definition(module.__file__, target.qualname))
     *classes, name = target.qualname.split(".")
     flags = sum(f.compiler_flag for f in vars(module).values() if isinstance(f, __future__._Feature))
     _refuse_class_scope_names(module.__file__, classes, definition, flags)
@@ -111,7 +112,7 @@ def _refuse_class_scope_names(path, classes, definition, flags):
     names = {n.id for expr in evaluated for n in ast.walk(expr) if isinstance(n, ast.Name)}
     if not names:
         return  # nothing to look up in the class body (which would mean parsing it)
-    owner = gating.definition(path, ".".join(classes))
+    owner = upstream.definition(path, ".".join(classes))
     bound = set()
     for node in owner.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -133,7 +134,7 @@ def upstream_function(obj, target, filename):
     monkeypatches; wrapt and functools.wraps keep it reachable). RewriteError, naming what sits there,
     when the definition cannot be reached: something replaced it without keeping it."""
     name = target.qualname.rsplit(".", 1)[-1]
-    lines = gating.definition_lines(filename, target.qualname) or ()
+    lines = upstream.definition_lines(filename, target.qualname) or ()
     found = [f for f in _functions_in(obj, depth=8) if f.__code__.co_name == name
              and f.__code__.co_filename == filename and f.__code__.co_firstlineno in lines]
     if len(found) != 1:

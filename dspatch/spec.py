@@ -5,7 +5,7 @@ class Target:
     """A function the patch replaces or wraps, and the fingerprints of its source as released.
 
     `qualname` is "Class.method" or "function" inside `module`. `fingerprints` maps the fingerprint of the
-    released source (see dspatch.gating.fingerprint) to the releases that shipped it.
+    released source (see dspatch.upstream.fingerprint) to the releases that shipped it.
 
     `releases`: for code that moved between modules across releases, the PEP 440 specifier of the releases
     that have it at this module (None: every release). A patch whose targets declare it gets, in each

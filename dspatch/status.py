@@ -18,41 +18,41 @@ def check_all(ids=None, environ=None, source="dspatch.apply()"):
     rows = []
     runtime = sys.modules.get("dspatch._runtime")  # not loaded: this process has applied nothing
     for pid, patch in patches.items():
-        version, verdict, reason = gating.evaluate(patch)
+        found = gating.evaluate(patch)
         state = runtime.state_of(pid) if runtime else None
         if state is not None:
-            verdict, reason = state
+            rows.append(gating.Row(patch, found, *state))
         elif pid in left_out:
-            reason = f"{left_out[pid]} ({verdict}: {reason})"
-            verdict = gating.DISABLED
-        rows.append(gating.Row(patch, version, verdict, reason))
+            rows.append(gating.Row(patch, found, gating.DISABLED, f"{left_out[pid]} ({found.verdict}: {found.reason})",
+                                   disabled_by=left_out[pid]))
+        else:
+            rows.append(gating.Row(patch, found))
     return rows
 
 
 def brief(row, limit=72):
-    """A few words of why, for the one-line row of `--check` (the whole reason is in -v and --json)."""
-    patch, verdict, reason = row.patch, row.verdict, row.reason
+    """A few words of why, for the one-line row of `--check` (the whole reason is in -v and --json), read from
+    the verdict's fields."""
+    patch, verdict, found = row.patch, row.verdict, row.found
     if verdict == gating.APPLIES:
-        needs = [part.split(" (the bug needs")[0] for part in reason.split(", with ")[1:]]
         where = "open upstream" if not patch.fixed_in else f"{patch.distribution}{patch.affected}"
-        return ", ".join([f"has the bug ({where})", *[f"with {n}" for n in needs]])
+        return ", ".join([f"has the bug ({where})", *[f"with {other} {seen}" for other, seen in found.seen.items()]])
     if verdict == gating.APPLIED:
         return "applied in this process"
-    if verdict == gating.FIXED_UPSTREAM and reason.startswith("fixed upstream in"):
-        return f"fixed in {patch.fixed_in}"
-    if verdict == gating.NOT_AFFECTED and reason.startswith("the bug needs"):
-        need, _, seen = reason[len("the bug needs "):].partition("; ")
-        other = need.split("<")[0].split(">")[0].split("=")[0].split("!")[0].split("~")[0]
-        return f"needs {need} ({seen[len(other) + 1:].replace(' is installed', '') or 'none'} here)"
+    if verdict == gating.FIXED_UPSTREAM and found.rule == "release":
+        return f"fixed in {found.bound}"
+    if verdict == gating.NOT_AFFECTED and found.rule == "requires":
+        (seen,) = found.seen.values()
+        return f"needs {found.bound} ({seen or 'none'} here)"
     if verdict == gating.NOT_AFFECTED:
         return f"the bug is in {patch.affected} only"
     if verdict == gating.UNSUPPORTED:
         return f"written for {patch.supported} only"
     if verdict == gating.DISABLED:
-        return reason.split(" (")[0]
+        return row.disabled_by
     if verdict == gating.NOT_INSTALLED:
         return ""
     if verdict == gating.BROKEN:
         return "files there, but its metadata (dist-info) is missing or unreadable"
-    text = reason.split("; ")[0] if verdict == gating.DRIFTED else reason
+    text = found.mismatch if verdict == gating.DRIFTED and found.mismatch else row.reason
     return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -80,7 +80,7 @@ def with_gather_fix(pid):
     whose patch gathers several parameters at once."""
     from dspatch import gating, registry
 
-    return [pid] + ([GATHER_FIX] if gating.evaluate(registry.all_patches()[GATHER_FIX])[1] == gating.APPLIES else [])
+    return [pid] + ([GATHER_FIX] if gating.evaluate(registry.all_patches()[GATHER_FIX]).verdict == gating.APPLIES else [])
 
 
 def run_python(args, env=None, check=True, timeout=900, cwd=None, input=None, warm=False):

@@ -43,6 +43,7 @@ sys.dont_write_bytecode = True  # Python's own bytecode cache would serve the sa
 sys.path.insert(0, sys.argv[1])
 import target, transform
 from dspatch import gating, rewrite
+from dspatch import upstream
 from dspatch.spec import Target
 t = Target("target", "Engine.step", {})
 fn = rewrite.upstream_function(vars(target.Engine)["step"], t, target.__file__)
@@ -54,7 +55,7 @@ def describe(c):  # what the code is (marshal's own bytes differ with string int
     return [c.co_code.hex(), c.co_names, c.co_varnames, c.co_freevars, consts, c.co_firstlineno,
             c.co_linetable.hex(), c.co_exceptiontable.hex(), c.co_qualname, c.co_filename, c.co_flags]
 folder = os.path.join(os.environ["XDG_CACHE_HOME"], "dspatch", "computed")
-report = {"fingerprint": gating.fingerprint(target.__file__, "Engine.step"), "code": describe(code),
+report = {"fingerprint": upstream.fingerprint(target.__file__, "Engine.step"), "code": describe(code),
           "result": engine.step(5)}
 report["files"] = sorted(os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs) if os.path.isdir(folder) else []
 print("R " + json.dumps(report))

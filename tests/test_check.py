@@ -5,6 +5,7 @@ import os
 import pytest
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import clean_env, deepspeed_version, run_python
 
@@ -163,7 +164,7 @@ def test_export_writes_series_that_git_am_applies_to_the_released_source(tmp_pat
         diffs = [os.path.join(data_dir("upstream_prs"), path) for path in expected if path.startswith(project + "/")]
         written = sorted((out / project).glob("*.patch"))
         assert len(written) == len(diffs), (project, written)
-        version = gating.installed_version(project)
+        version = upstream.installed_version(project)
         paths = sorted({p for diff in diffs for p in export._paths(diff, existing=True)})
         repo = tmp_path / f"{project}-{version}"
         shutil.copytree(release_tree(project, version, paths), repo)

@@ -21,6 +21,7 @@ import pytest
 from packaging.version import Version
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import STACK, apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
@@ -169,7 +170,7 @@ def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(deepspeed_copy
     ok, stderr = _run_recovery_script(folder, PYTHONPATH=site)
     assert ok, stderr[-2000:]
     # the fixed source is upstream's fix, not a release this patch knows: --check keeps the patch out
-    assert gating.evaluate(PATCH, locate=lambda m: os.path.join(site, *m.split(".")) + ".py")[1] == gating.DRIFTED
+    assert gating.evaluate(PATCH, locate=lambda m: os.path.join(site, *m.split(".")) + ".py").verdict == gating.DRIFTED
 
 
 def test_changing_any_one_target_makes_the_verdict_drifted(deepspeed_copy):
@@ -182,22 +183,23 @@ def test_changing_any_one_target_makes_the_verdict_drifted(deepspeed_copy):
     def locate(module):
         return os.path.join(site, *module.split(".")) + ".py"
 
-    assert gating.evaluate(PATCH, locate=locate)[1] == gating.APPLIES
+    assert gating.evaluate(PATCH, locate=locate).verdict == gating.APPLIES
     for target in PATCH.targets:
         path = locate(target.module)
         original = open(path).read()
-        first = gating.definition(path, target.qualname).body[0]
+        first = upstream.definition(path, target.qualname).body[0]
         lines = original.split("\n")
         lines.insert(first.lineno - 1, " " * first.col_offset + "_local_change = None")
         try:
             open(path, "w").write("\n".join(lines))
             os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
-            _, verdict, reason = gating.evaluate(PATCH, locate=locate)
+            found = gating.evaluate(PATCH, locate=locate)
+            verdict, reason = found.verdict, found.reason
             assert verdict == gating.DRIFTED and str(target) in reason, (target, verdict, reason)
         finally:
             open(path, "w").write(original)
             os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 2 * 10**9))
-    assert gating.evaluate(PATCH, locate=locate)[1] == gating.APPLIES
+    assert gating.evaluate(PATCH, locate=locate).verdict == gating.APPLIES
 
 
 def _check_row(env):
@@ -227,6 +229,6 @@ def test_fixed_releases_keep_the_patch_out_and_round_trip_on_stock():
         pytest.skip("affected release: see the tests above")
     if STACK != "latest":  # CI time: the newest fixed release's own code; every release's verdict: unit session
         pytest.skip("run on the latest stack (the newest fixed release); verdicts of the others: test_releases.py")
-    assert gating.evaluate(PATCH)[1] == gating.FIXED_UPSTREAM
+    assert gating.evaluate(PATCH).verdict == gating.FIXED_UPSTREAM
     outcome = verify(PID, clean_env(DSPATCH="1"))  # every patch active, as users run it
     assert PID not in outcome["applied"] and outcome["results"] == ALL_OK, outcome

@@ -15,6 +15,7 @@ import json
 import pytest
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, verify
 
@@ -22,8 +23,9 @@ pytestmark = pytest.mark.stack
 
 PID = "accelerate/deepspeed-no-sync"
 PATCH = registry.all_patches()[PID]
-VERSION, VERDICT, REASON = gating.evaluate(PATCH)
-DEEPSPEED = gating.installed_version("deepspeed")
+FOUND = gating.evaluate(PATCH)
+VERSION, VERDICT, REASON = FOUND.version, FOUND.verdict, FOUND.reason
+DEEPSPEED = upstream.installed_version("deepspeed")
 
 
 def _version(text):
@@ -52,7 +54,7 @@ def _recorded(folder, name, **env):
 
 def test_verdict_on_this_stack():
     """The gate combines accelerate's release and deepspeed's, and says which combination it saw."""
-    assert VERSION == gating.installed_version("accelerate")
+    assert VERSION == upstream.installed_version("accelerate")
     if _version(VERSION) >= _version("1.9.0"):
         assert VERDICT == gating.FIXED_UPSTREAM, REASON
     elif _version(DEEPSPEED) < _version("0.16.0"):

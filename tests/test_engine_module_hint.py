@@ -11,6 +11,7 @@ import os
 import pytest
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
@@ -32,7 +33,7 @@ HINTED = ("'DeepSpeedEngine' object has no attribute 'model'. The model this eng
 
 
 def test_this_stack_is_covered():
-    assert gating.evaluate(PATCH)[1] == gating.APPLIES
+    assert gating.evaluate(PATCH).verdict == gating.APPLIES
 
 
 def test_stock_upstream_reproduces_the_bare_message_exactly():
@@ -162,7 +163,7 @@ print("R " + json.dumps(report))
 def _drift(package, target):
     """Change one target function the way a fork or a dev build would (one statement added to its body)."""
     path = os.path.join(package, *target.module.split(".")[1:]) + ".py"
-    node = gating.definition(path, target.qualname)
+    node = upstream.definition(path, target.qualname)
     lines = open(path).read().split("\n")
     first = node.body[-1]
     indent = lines[first.lineno - 1][:first.col_offset]

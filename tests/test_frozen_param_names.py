@@ -38,11 +38,11 @@ STOCK = {  # exactly what stock upstream does, as the reproducers report it
 def _with_weights_only_patch():
     """The patches a user of this stack runs: on a release with the weights_only load bug, that fix too."""
     other = registry.all_patches().get(WEIGHTS_ONLY)
-    return other is not None and gating.evaluate(other)[1] == gating.APPLIES
+    return other is not None and gating.evaluate(other).verdict == gating.APPLIES
 
 
 def test_this_stack_is_covered():
-    assert gating.evaluate(PATCH)[1] == gating.APPLIES
+    assert gating.evaluate(PATCH).verdict == gating.APPLIES
     assert STACK != "old" or _with_weights_only_patch(), "old stack: the weights_only patch should apply too"
 
 

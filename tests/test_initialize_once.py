@@ -64,7 +64,7 @@ def stock_results():
 
 
 def test_this_stack_is_covered():
-    assert gating.evaluate(PATCH)[1] == gating.APPLIES
+    assert gating.evaluate(PATCH).verdict == gating.APPLIES
 
 
 def test_stock_upstream_reproduces_each_corruption_exactly():

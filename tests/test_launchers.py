@@ -59,7 +59,7 @@ os._exit(0)
 '''
 
 DEEPSPEED_PATCHES = sorted(pid for pid, p in registry.all_patches().items()
-                           if p.distribution == "deepspeed" and gating.evaluate(p)[1] == gating.APPLIES)
+                           if p.distribution == "deepspeed" and gating.evaluate(p).verdict == gating.APPLIES)
 
 
 def _port():

@@ -15,6 +15,7 @@ import socket
 import pytest
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import clean_env, run_python, STACK, verify, verify_log, with_gather_fix
 
@@ -29,21 +30,21 @@ STOCK = {"peft_save_partitioned": EMPTY, "peft_save_persistent": EMPTY, "peft_ga
          "no_peft_unchanged": "ok"}
 FROZEN_GATHERED = "error: AssertionError: save_model gathered frozen base weights whole"
 
-affected = pytest.mark.skipif(VERDICT[1] != gating.APPLIES,
-                              reason=f"{PID} does not apply here: {VERDICT[1]} ({VERDICT[2]})")
+affected = pytest.mark.skipif(VERDICT.verdict != gating.APPLIES,
+                              reason=f"{PID} does not apply here: {VERDICT.verdict} ({VERDICT.reason})")
 
 
 def _transformers_version():
-    return gating.installed_version("transformers")
+    return upstream.installed_version("transformers")
 
 
 def test_verdict_on_this_stack():
     version = _transformers_version()
     if STACK in ("old", "bridge", "mid"):
-        assert VERDICT[1] == gating.APPLIES, VERDICT
+        assert VERDICT.verdict == gating.APPLIES, VERDICT
     elif STACK == "latest":
-        assert VERDICT[1] == gating.FIXED_UPSTREAM, VERDICT
-    assert (VERDICT[1] == gating.APPLIES) == (int(version.split(".")[0]) < 5), (version, VERDICT)
+        assert VERDICT.verdict == gating.FIXED_UPSTREAM, VERDICT
+    assert (VERDICT.verdict == gating.APPLIES) == (int(version.split(".")[0]) < 5), (version, VERDICT)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def _accelerate_runs_two_cpu_ranks():
     # they are rank 0); 0.34.2 (old) is not relied on here. 1.8.1 with deepspeed 0.16.9 (bridge) can, but in one CI
     # rehearsal one rank's gathered LoRA tensor differed there (a ZeRO-3 gather on 0.16.9 read wrong values once
     # before, in another test): not a reliable check on that stack
-    version = gating.installed_version("accelerate")
+    version = upstream.installed_version("accelerate")
     return version is not None and Version("1.10") <= Version(version) < Version("1.15")
 
 
@@ -193,7 +194,7 @@ def test_jobs_that_hit_no_bug_save_bit_identical_files():
     assert any(f.startswith("final/global_step2/") for f in report["stock"]["no peft, flag off"]["files"])
 
 
-@pytest.mark.skipif(VERDICT[1] != gating.FIXED_UPSTREAM, reason="transformers < 5: the patched stacks' tests")
+@pytest.mark.skipif(VERDICT.verdict != gating.FIXED_UPSTREAM, reason="transformers < 5: the patched stacks' tests")
 def test_fixed_upstream_saves_the_adapter_but_gathers_frozen_weights():
     """transformers >= 5.0 (PR 41416) with this stack's deepspeed: the same reproducers pass every check of the
     adapter, its loading and the files, then show that upstream's fix gathers each frozen weight whole (DeepSpeed's

@@ -16,6 +16,7 @@ import socket
 import pytest
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, run_python, run_ranks, STACK, verify
 
@@ -31,7 +32,7 @@ WHERE = {"old": "trl.trainer.ppov2_trainer", "bridge": "trl.trainer.ppo_trainer"
 
 
 def _transformers_major():
-    return int(gating.installed_version("transformers").split(".")[0])
+    return int(upstream.installed_version("transformers").split(".")[0])
 
 
 def _stock():
@@ -47,8 +48,8 @@ def _stock():
 
 
 def _applies_here():
-    if VERDICT[1] != gating.APPLIES:
-        pytest.skip(f"{PID}: {VERDICT[1]} here ({VERDICT[2]})")
+    if VERDICT.verdict != gating.APPLIES:
+        pytest.skip(f"{PID}: {VERDICT.verdict} here ({VERDICT.reason})")
 
 
 def test_this_stack_is_covered():
@@ -146,7 +147,7 @@ def test_two_ranks_gather_on_every_rank_and_write_on_the_main_one(tmp_path):
     _applies_here()
     from packaging.version import Version
 
-    if Version(gating.installed_version("accelerate")) >= Version("1.15"):
+    if Version(upstream.installed_version("accelerate")) >= Version("1.15"):
         pytest.skip("accelerate >= 1.15 cannot run DeepSpeed with 2 CPU processes (both ranks think they are rank 0)")
     proc, reports = _torchrun(tmp_path, clean_env(DSPATCH=PID))
     assert proc.returncode == 0 and len(reports) == 2, f"exit {proc.returncode}, {len(reports)} reports\n" \

@@ -21,12 +21,13 @@ import shutil
 import pytest
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import clean_env, run_python, verify, verify_log
 
 pytestmark = pytest.mark.stack
 
-APPLICABLE = [pid for pid, patch in registry.all_patches().items() if gating.evaluate(patch)[1] == gating.APPLIES]
+APPLICABLE = [pid for pid, patch in registry.all_patches().items() if gating.evaluate(patch).verdict == gating.APPLIES]
 
 
 def _ids(values):
@@ -111,6 +112,7 @@ DRIFT_EACH = r'''
 import importlib, json, os, sys
 import dspatch
 from dspatch import gating, registry
+from dspatch import upstream
 patches = [registry.all_patches()[pid] for pid in sys.argv[2:]]
 for module in sorted({m for patch in patches for m in patch.modules}):
     importlib.import_module(module)
@@ -121,7 +123,7 @@ for patch in patches:
     for target in patch.targets:
         path = sys.modules[target.module].__file__
         original = open(path).read()
-        node = gating.definition(path, target.qualname)
+        node = upstream.definition(path, target.qualname)
         first = node.body[0]
         lines = original.split("\n")
         indent = lines[first.lineno - 1][:first.col_offset]
@@ -151,7 +153,7 @@ def drift_report(tmp_path_factory):
     site = tmp_path_factory.mktemp("drift")
     tops = sorted({m.split(".")[0] for pid in APPLICABLE for m in registry.all_patches()[pid].modules})
     for top in tops:
-        shutil.copytree(os.path.dirname(gating.module_file(top)), site / top)  # bytecode too (conftest.package_copy)
+        shutil.copytree(os.path.dirname(upstream.module_file(top)), site / top)  # bytecode too (conftest.package_copy)
     proc = run_python(["-c", DRIFT_EACH, str(site), *APPLICABLE], env=clean_env(PYTHONPATH=str(site)), warm="stack")
     return json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
 

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from dspatch import gating, registry
+from dspatch import registry
+from dspatch import upstream
 
 from conftest import clean_env, run_python, verify
 from test_proofs import APPLICABLE
@@ -40,7 +41,7 @@ def _target_code(patch, version, into):
     from upstream_releases import extract_modules
 
     locate = extract_modules(patch.distribution, version, patch.modules, os.path.join(into, version))
-    return tuple((str(t), gating.fingerprint(locate(t.module), t.qualname) if locate(t.module) else None)
+    return tuple((str(t), upstream.fingerprint(locate(t.module), t.qualname) if locate(t.module) else None)
                  for t in targets)
 
 

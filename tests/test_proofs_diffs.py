@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from dspatch import gating, registry
+from dspatch import registry
+from dspatch import upstream
 
 from conftest import clean_env, verify
 from test_proofs import APPLICABLE, _ids
@@ -21,7 +22,7 @@ def test_the_upstream_diff_fixes_a_copy_without_dspatch(pid, package_copy):
         pytest.skip("no patch applies to this stack")
     patch = registry.all_patches()[pid]
     site, package = package_copy(patch.modules[0].split(".")[0])
-    apply_upstream_diff(patch, gating.installed_version(patch.distribution), site)
+    apply_upstream_diff(patch, upstream.installed_version(patch.distribution), site)
     outcome = verify(pid, clean_env(PYTHONPATH=site))
     assert outcome["applied"] == [] and outcome["results"] == dict.fromkeys(patch.scenarios, "ok"), outcome
     assert all(path.startswith(package + os.sep) for path in outcome["files"].values()), outcome["files"]

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from dspatch import gating, registry
+from dspatch import registry
+from dspatch import upstream
 
 from conftest import clean_env, run_python
 from test_proofs import APPLICABLE, _ids
@@ -23,7 +24,7 @@ def test_the_monkeypatch_fixes_every_reproducer(pid):
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert outcome["applied"] == [pid] and outcome["results"] == dict.fromkeys(patch.scenarios, "ok"), outcome
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
-    version = gating.installed_version(patch.distribution)
+    version = upstream.installed_version(patch.distribution)
     # one line per process (a reproducer that launches ranks adds its job's local rank 0); a reproducer may apply
     # another patch to get past that other bug: only "applied" lines, then
     ours = [line for line in said if pid in line]

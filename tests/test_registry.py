@@ -9,6 +9,7 @@ import re
 import pytest
 
 from dspatch import data_dir, gating, registry
+from dspatch import upstream
 from dspatch.spec import Patch, Target
 from dspatch.versions import Version
 
@@ -100,9 +101,9 @@ def test_unknown_ids_are_an_error_that_lists_the_known_ones(value):
 
 def test_fingerprint_ignores_formatting_but_not_code():
     base = ["    def f(self, x):", "        y = x.id", "        return y"]
-    assert gating.fingerprint_lines(base) == gating.fingerprint_lines(
+    assert upstream.fingerprint_lines(base) == upstream.fingerprint_lines(
         ["def f(self, x):", "", "    # a comment", "    y = x.id   ", "    return y"])
-    assert gating.fingerprint_lines(base) != gating.fingerprint_lines(
+    assert upstream.fingerprint_lines(base) != upstream.fingerprint_lines(
         ["def f(self, x):", "    y = x.ds_id", "    return y"])
 
 
@@ -116,7 +117,7 @@ FORMATTED = [
 
 
 def test_fingerprint_is_blind_to_formatting_and_comments():
-    assert len({gating.fingerprint_lines(lines) for lines in FORMATTED}) == 1
+    assert len({upstream.fingerprint_lines(lines) for lines in FORMATTED}) == 1
 
 
 @pytest.mark.parametrize("change", [
@@ -127,14 +128,14 @@ def test_fingerprint_is_blind_to_formatting_and_comments():
     ["def f(self, x):", "    y = g(x.id, f'a b')", "    if y:", "        return y", "    return None"],
 ])
 def test_fingerprint_sees_every_change_of_code(change):
-    assert gating.fingerprint_lines(change) != gating.fingerprint_lines(FORMATTED[0])
+    assert upstream.fingerprint_lines(change) != upstream.fingerprint_lines(FORMATTED[0])
 
 
 def test_fingerprint_of_fstrings_is_their_text():
     one = ["def f(x):", "    return f'{x!r:>{3}} and {x.id}'  # note"]
     two = ["def f(x):", "        return f'{x!r:>{3}} and {x.id}'"]
-    assert gating.fingerprint_lines(one) == gating.fingerprint_lines(two)
-    assert gating.code_tokens("\n".join(one) + "\n")[-2] == "sf'{x!r:>{3}} and {x.id}'"
+    assert upstream.fingerprint_lines(one) == upstream.fingerprint_lines(two)
+    assert upstream.code_tokens("\n".join(one) + "\n")[-2] == "sf'{x!r:>{3}} and {x.id}'"
 
 
 def test_empty_and_oversized_selections_are_clear_errors():
@@ -153,8 +154,8 @@ def test_empty_and_oversized_selections_are_clear_errors():
 def test_source_segment_includes_decorators(tmp_path):
     path = tmp_path / "m.py"
     path.write_text("import x\n\nclass A:\n    @x.deco\n    def f(self):\n        return 1\n")
-    first, lines = gating.source_segment(str(path), "A.f")
-    assert first == 4 and lines[0].strip() == "@x.deco" and gating.source_segment(str(path), "A.g") is None
+    first, lines = upstream.source_segment(str(path), "A.f")
+    assert first == 4 and lines[0].strip() == "@x.deco" and upstream.source_segment(str(path), "A.g") is None
 
 
 def _every_definition(tree):
@@ -179,21 +180,21 @@ def definitions_found_alike(folders, recursive=True):
             for name in sorted(n for n in names if n.endswith(".py")):
                 path = os.path.join(root, name)
                 try:
-                    lines, tree = gating._parse(path)
+                    lines, tree = upstream._parse(path)
                 except (SyntaxError, UnicodeDecodeError, ValueError):
                     continue
-                index, ends = gating._index(lines), {}
+                index, ends = upstream._index(lines), {}
                 for qualname in _every_definition(tree):
-                    node = gating.find_definition(tree, qualname)
+                    node = upstream.find_definition(tree, qualname)
                     if node is None:  # a method of a class bound again later: neither way finds it
-                        assert gating._quick_segment(lines, qualname, index, ends) is None, (path, qualname)
+                        assert upstream._quick_segment(lines, qualname, index, ends) is None, (path, qualname)
                         continue
-                    first = gating.first_line(node)
+                    first = upstream.first_line(node)
                     expected = (first, lines[first - 1:node.end_lineno])
-                    got = gating._quick_segment(lines, qualname, index, ends)
+                    got = upstream._quick_segment(lines, qualname, index, ends)
                     assert got in (None, expected), (path, qualname, got and got[0], expected[0])
                     if got is not None:  # and the node parsed from those lines alone is the whole file's
-                        own = gating.own_definition(path, qualname)
+                        own = upstream.own_definition(path, qualname)
                         assert ast.dump(own, include_attributes=True) == ast.dump(node, include_attributes=True), \
                             (path, qualname)
                     quick += got is not None
@@ -209,7 +210,7 @@ def test_quick_definition_lookup_agrees_with_a_full_parse_over_the_standard_libr
 
 @pytest.mark.stack
 def test_quick_definition_lookup_agrees_with_a_full_parse_on_every_installed_target_file():
-    files = {gating.module_file(t.module) for patch in registry.all_patches().values() for t in patch.targets}
+    files = {upstream.module_file(t.module) for patch in registry.all_patches().values() for t in patch.targets}
     quick, total = definitions_found_alike(sorted(f for f in files if f))
     assert total > 500 and quick > 0.75 * total, (quick, total)
 
@@ -220,17 +221,17 @@ def test_quick_definition_lookup_gives_up_where_lines_do_not_tell(tmp_path):
                     'def g():\n    x = """\ndef g():\n"""\n    return x\n\n'
                     'def h():\n    pass\ndef h():\n    return 2\n\n'
                     '@deco(\n1)\ndef k():\n    pass\n')
-    lines = gating._lines(str(path))[1]
+    lines = upstream._lines(str(path))[1]
     # a header over several lines: its closing bracket continues it
-    assert gating._quick_segment(lines, "A.f") == gating.source_segment(str(path), "A.f") == \
+    assert upstream._quick_segment(lines, "A.f") == upstream.source_segment(str(path), "A.f") == \
         (4, ["    def f(self):", "        return 1"])
-    assert gating._quick_segment(lines, "g") is None  # the last 'def g' is inside a string: it does not parse
-    assert gating.source_segment(str(path), "g")[0] == 7
-    assert gating._quick_segment(lines, "h") == gating.source_segment(str(path), "h") == (15, ["def h():",
+    assert upstream._quick_segment(lines, "g") is None  # the last 'def g' is inside a string: it does not parse
+    assert upstream.source_segment(str(path), "g")[0] == 7
+    assert upstream._quick_segment(lines, "h") == upstream.source_segment(str(path), "h") == (15, ["def h():",
                                                                                             "    return 2"])
-    assert gating._quick_segment(lines, "k") is None  # '1)' above could be a decorator's: parsed whole instead
-    assert gating.source_segment(str(path), "k") == (18, ["@deco(", "1)", "def k():", "    pass"])
-    assert gating._quick_segment(lines, "nope") is None and gating.source_segment(str(path), "nope") is None
+    assert upstream._quick_segment(lines, "k") is None  # '1)' above could be a decorator's: parsed whole instead
+    assert upstream.source_segment(str(path), "k") == (18, ["@deco(", "1)", "def k():", "    pass"])
+    assert upstream._quick_segment(lines, "nope") is None and upstream.source_segment(str(path), "nope") is None
 
 
 def test_quick_definition_lookup_past_statements_with_no_decorator_above(tmp_path):
@@ -241,17 +242,17 @@ def test_quick_definition_lookup_past_statements_with_no_decorator_above(tmp_pat
                     "class B:\n    @property\n    def p(self):\n        return 1\n    z = (\n        2\n    )\n\n"
                     "    def q(self):\n        return 2\n\n"
                     "    @x.deco(\n        1,\n    )\n    def r(self):\n        return 3\n")
-    lines = gating._lines(str(path))[1]
-    assert gating._quick_segment(lines, "m") == (4, ["def m():", "    return 3"])
-    assert gating._quick_segment(lines, "B.q") == (15, ["    def q(self):", "        return 2"])
-    assert gating._quick_segment(lines, "B.r") is None  # ')' above, and '@x.deco(' above it
-    assert gating.source_segment(str(path), "B.r")[0] == 18
+    lines = upstream._lines(str(path))[1]
+    assert upstream._quick_segment(lines, "m") == (4, ["def m():", "    return 3"])
+    assert upstream._quick_segment(lines, "B.q") == (15, ["    def q(self):", "        return 2"])
+    assert upstream._quick_segment(lines, "B.r") is None  # ')' above, and '@x.deco(' above it
+    assert upstream.source_segment(str(path), "B.r")[0] == 18
     for qualname, line in (("m", 4), ("B.q", 15), ("B.p", 9)):
         tree = ast.parse(path.read_text())
-        assert ast.dump(gating.own_definition(str(path), qualname), include_attributes=True) == \
-            ast.dump(gating.find_definition(tree, qualname), include_attributes=True)
-        assert gating.own_definition(str(path), qualname).lineno == line
-    assert gating.own_definition(str(path), "B.r") is None
+        assert ast.dump(upstream.own_definition(str(path), qualname), include_attributes=True) == \
+            ast.dump(upstream.find_definition(tree, qualname), include_attributes=True)
+        assert upstream.own_definition(str(path), qualname).lineno == line
+    assert upstream.own_definition(str(path), "B.r") is None
 
 
 def test_patch_pages_and_tables_are_generated_from_the_registry():
@@ -324,7 +325,8 @@ def test_dspatch_modules_import_each_other_one_way():
     cycles = [c for c in (cycle_from(m, [m]) for m in graph) if c]
     assert not cycles, cycles
     assert graph["_hook"] == set() and graph["versions"] == set() and graph["_cache"] <= {"_hook"}, graph
-    assert graph["gating"] <= {"_hook", "_cache", "versions"}, graph
+    assert graph["upstream"] <= {"_hook", "_cache", "versions"}, graph  # reading what is installed
+    assert graph["gating"] <= {"upstream", "_hook", "_cache", "versions"}, graph  # verdicts from it
     assert not any("_boot" in uses for uses in graph.values()), graph
 
 
@@ -372,27 +374,30 @@ def test_a_release_is_gated_on_its_own_targets_only(tmp_path):
     fp = {}
     for name, body in (("old", "def f():\n    return 1\n"), ("new", "def f():\n    return 2\n"),
                        ("common", "def g():\n    return 3\n")):
-        fp[name] = gating.fingerprint_lines(body.splitlines())
+        fp[name] = upstream.fingerprint_lines(body.splitlines())
     patch.all_targets[0].fingerprints = {fp["old"]: "1.0"}
     patch.all_targets[1].fingerprints = {fp["new"]: "2.0"}
     patch.all_targets[2].fingerprints = {fp["common"]: "1.0-2.0"}
     # an old release has no x.new, a new one no x.old: each is judged on what it has
     old = _files(tmp_path / "old", {"x.old": "def f():\n    return 1\n", "x.common": "def g():\n    return 3\n"})
     new = _files(tmp_path / "new", {"x.new": "def f():\n    return 2\n", "x.common": "def g():\n    return 3\n"})
-    assert gating.evaluate(patch, version="1.5", locate=old)[1] == gating.APPLIES
-    assert gating.evaluate(patch, version="2.0", locate=new)[1] == gating.APPLIES
+    assert gating.evaluate(patch, version="1.5", locate=old).verdict == gating.APPLIES
+    assert gating.evaluate(patch, version="2.0", locate=new).verdict == gating.APPLIES
     # a new release without the new module, or with other code there, is not one the patch knows
-    _, verdict, reason = gating.evaluate(patch, version="2.0", locate=old)
+    found = gating.evaluate(patch, version="2.0", locate=old)
+    verdict, reason = found.verdict, found.reason
     assert verdict == gating.DRIFTED and reason.startswith("x.new not found"), reason
     drifted = _files(tmp_path / "drift", {"x.new": "def f():\n    return 20\n", "x.common": "def g():\n    return 3\n"})
-    _, verdict, reason = gating.evaluate(patch, version="2.0", locate=drifted)
+    found = gating.evaluate(patch, version="2.0", locate=drifted)
+    verdict, reason = found.verdict, found.reason
     assert verdict == gating.DRIFTED and "x.new:f differs" in reason, reason
 
 
 def test_a_release_with_no_target_is_never_patched(tmp_path):
     patch = Patch(id="x/gone", summary="s", distribution="x", affected=">=0", fixed_in=None, apply=None,
                   targets=[Target("x.old", "f", {"a": "1.0"}, releases="<2.0")])
-    _, verdict, reason = gating.evaluate(patch, version="2.0", locate=lambda module: None)
+    found = gating.evaluate(patch, version="2.0", locate=lambda module: None)
+    verdict, reason = found.verdict, found.reason
     assert verdict == gating.DRIFTED and "no code of x 2.0 is known to this patch" in reason, reason
 
 
@@ -404,5 +409,39 @@ def test_installed_versions_are_importlib_metadatas():
     names = {dist.metadata["Name"] for dist in importlib.metadata.distributions()}
     assert len(names) > 5
     for name in names:
-        assert gating._version_from_dist_info(name) == importlib.metadata.version(name), name
-    assert gating._version_from_dist_info("surely-not-installed-dspatch-test") is None
+        assert upstream._version_from_dist_info(name) == importlib.metadata.version(name), name
+    assert upstream._version_from_dist_info("surely-not-installed-dspatch-test") is None
+
+
+def test_verdicts_are_records_and_check_reads_their_fields(tmp_path):
+    """evaluate returns a record (verdict, distribution, version, the rule and bound that decided, what was seen);
+    `--check`'s short column and its JSON read the fields: rewording a reason cannot change them."""
+    from dspatch import status
+
+    body = "def f():\n    return 1\n"
+    patch = Patch(id="x/needs", summary="s", distribution="x", affected=">=1.0,<2.0", fixed_in="2.0", apply=None,
+                  supported=">=1.0,<1.9", requires={"torch": ">=2.6"},
+                  targets=[Target("x.a", "f", {upstream.fingerprint_lines(body.splitlines()): "1.0"})])
+    locate = _files(tmp_path / "t", {"x.a": body})
+    cases = {  # version, others -> (verdict, rule, bound, seen, short column)
+        ("1.5", "2.6.0"): (gating.APPLIES, "source", ">=1.0,<2.0", {"torch": "2.6.0"},
+                           "has the bug (x>=1.0,<2.0), with torch 2.6.0"),
+        ("1.5", "2.5.1"): (gating.NOT_AFFECTED, "requires", "torch>=2.6", {"torch": "2.5.1"},
+                           "needs torch>=2.6 (2.5.1 here)"),
+        ("1.5", None): (gating.NOT_AFFECTED, "requires", "torch>=2.6", {"torch": None}, "needs torch>=2.6 (none here)"),
+        ("2.1", "2.6.0"): (gating.FIXED_UPSTREAM, "release", "2.0", {}, "fixed in 2.0"),
+        ("0.9", "2.6.0"): (gating.NOT_AFFECTED, "range", ">=1.0,<2.0", {}, "the bug is in >=1.0,<2.0 only"),
+        ("1.9.1", "2.6.0"): (gating.UNSUPPORTED, "supported", ">=1.0,<1.9", {}, "written for >=1.0,<1.9 only"),
+    }
+    for (version, torch), (verdict, rule, bound, seen, short) in cases.items():
+        found = gating.evaluate(patch, version=version, locate=locate, others={"torch": torch})
+        assert (found.verdict, found.distribution, found.version, found.rule, found.bound, found.seen) == \
+            (verdict, "x", version, rule, bound, seen), found
+        assert status.brief(gating.Row(patch, found)) == short, found
+        assert gating.Row(patch, found).as_dict()["found"] == {**found.as_dict(), "reason": found.reason}
+    drifted = gating.evaluate(patch, version="1.5", locate=_files(tmp_path / "d", {"x.a": "def f():\n    return 2\n"}),
+                              others={"torch": "2.6.0"})
+    assert drifted.verdict == gating.DRIFTED and drifted.rule == "source" and "x.a:f differs" in drifted.mismatch
+    assert status.brief(gating.Row(patch, drifted)).startswith("x.a:f differs")
+    off = gating.Row(patch, drifted, gating.DISABLED, "disabled by DSPATCH_DISABLE (...)", "disabled by DSPATCH_DISABLE")
+    assert status.brief(off) == "disabled by DSPATCH_DISABLE"

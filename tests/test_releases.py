@@ -19,6 +19,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from dspatch import data_dir, gating, registry
+from dspatch import upstream
 
 from upstream_releases import module_paths, named_releases, release_tree, release_versions, tree_locate
 
@@ -88,23 +89,25 @@ def test_verdict_of_every_release(pid, version):
     root, locate = _tree(pid, version)
     with_bug, without = OTHERS.get(pid, ({}, {}))
     expected = declared(patch, version, with_bug)
-    _, verdict, reason = gating.evaluate(patch, version=version, locate=locate, others=with_bug)
+    found = gating.evaluate(patch, version=version, locate=locate, others=with_bug)
+    verdict, reason = found.verdict, found.reason
     assert verdict == expected, reason
     if patch.requires:  # the other package decides too, and the reason says which version it saw
-        _, other_verdict, other_reason = gating.evaluate(patch, version=version, locate=locate, others=without)
+        found = gating.evaluate(patch, version=version, locate=locate, others=without)
+        other_verdict, other_reason = found.verdict, found.reason
         assert other_verdict == declared(patch, version, without), other_reason
         if expected == gating.APPLIES:
             for other, wanted in patch.requires.items():
                 assert f"the bug needs {other}{wanted}; {other} {without[other]} is installed" == other_reason
     if patch.fixed_marker and expected in (gating.APPLIES, gating.FIXED_UPSTREAM):
         module, qualname = patch.fixed_marker  # upstream's fix is there exactly where the number says so
-        has_fix = locate(module) is not None and gating.definition(locate(module), qualname) is not None
+        has_fix = locate(module) is not None and upstream.definition(locate(module), qualname) is not None
         assert has_fix == (expected == gating.FIXED_UPSTREAM), (module, qualname)
     if expected != gating.APPLIES:
         assert patch.diff_for(version) is None or not SpecifierSet(patch.supported or ">=0").contains(version)
         return
     for target in patch.targets_for(version):
-        assert gating.fingerprint(locate(target.module), target.qualname) in target.fingerprints, target
+        assert upstream.fingerprint(locate(target.module), target.qualname) in target.fingerprints, target
     diff = patch.diff_for(version)
     assert diff, f"no diff band covers {version}"
     check = subprocess.run(["git", "apply", "--check", os.path.join(data_dir("upstream_prs"), diff)], cwd=root,
@@ -121,7 +124,7 @@ def test_recorded_fingerprints_are_exactly_the_released_ones(pid):
         seen = {}
         for version in have:
             _, locate = _tree(pid, version)
-            seen.setdefault(gating.fingerprint(locate(target.module), target.qualname), []).append(version)
+            seen.setdefault(upstream.fingerprint(locate(target.module), target.qualname), []).append(version)
         assert set(seen) == set(target.fingerprints), (target, {fp: (v[0], v[-1]) for fp, v in seen.items()})
         for fingerprint, versions in seen.items():
             assert named_releases(target.fingerprints[fingerprint], have) == versions, (target, fingerprint, versions)
@@ -147,7 +150,7 @@ def test_diff_bands_hold_only_releases_the_patch_applies_to(pid):
 
 def _changed(path, qualname):
     """The file with one statement added to the definition (a fork's or a dev build's change)."""
-    node = gating.definition(path, qualname)
+    node = upstream.definition(path, qualname)
     lines = open(path).read().split("\n")
     last = node.body[-1]
     lines.insert(last.lineno - 1, lines[last.lineno - 1][:last.col_offset] + "_local_change = None")
@@ -166,7 +169,8 @@ def test_a_change_to_any_one_target_is_drifted(pid, tmp_path):
         copy.write_text(_changed(locate(target.module), target.qualname))
         changed = lambda module: str(copy) if module == target.module else locate(module)  # noqa: E731
         for version in later:
-            _, verdict, reason = gating.evaluate(patch, version=version, locate=changed, others=_with_bug(pid))
+            found = gating.evaluate(patch, version=version, locate=changed, others=_with_bug(pid))
+            verdict, reason = found.verdict, found.reason
             assert verdict == gating.DRIFTED and str(target) in reason, (version, reason)
 
 
@@ -184,7 +188,7 @@ def test_builds_and_releases_beyond_the_checked_ones(pid):
     newest = applying(pid)[-1]
     _, locate = _tree(pid, newest)
     verdict = lambda version, where=locate: gating.evaluate(patch, version=version, locate=where,  # noqa: E731
-                                                            others=_with_bug(pid))[1]
+                                                            others=_with_bug(pid)).verdict
     assert verdict(f"{newest}+local") == gating.APPLIES
     for version in filter(None, (patch.fixed_in, _next(newest), "999.0")):
         expected = declared(patch, version, _with_bug(pid))

@@ -14,6 +14,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from dspatch import data_dir, gating, registry
+from dspatch import upstream
 
 from test_releases import RELEASES, _tree
 from upstream_releases import extract_modules, release_tree, release_versions, sdist, tree_locate
@@ -81,7 +82,8 @@ def test_module_id_builds_that_are_not_plain_releases_are_judged_by_their_source
         path = locate(MODULE_ID.targets[0].module)
         text = open(path).read().replace("        my_count = count[0]\n", "        my_count = count[0] + 0\n")
         open(path, "w").write(text)
-    _, verdict, reason = gating.evaluate(MODULE_ID, version=version, locate=locate)
+    found = gating.evaluate(MODULE_ID, version=version, locate=locate)
+    verdict, reason = found.verdict, found.reason
     assert verdict == expected, reason
 
 
@@ -150,7 +152,7 @@ LOADERS = ("deepspeed/runtime/checkpoint_engine/torch_checkpoint_engine.py", "de
 def test_weights_only_torch_gate_edges():
     def verdict(torch_version):
         return gating.evaluate(WEIGHTS_ONLY, version="0.15.4", locate=lambda m: None,
-                               others={"torch": torch_version})[1]
+                               others={"torch": torch_version}).verdict
 
     assert verdict("2.5.1") == verdict("2.4.0") == verdict(None) == gating.NOT_AFFECTED
     # 2.6.0 and its local/pre builds are judged as 2.6 (then the source decides: no files here -> drifted)
@@ -233,7 +235,7 @@ def test_no_sync_deepspeed_asserts_in_no_sync_from_0_16_0():
     partitioned, in exactly the releases `requires` names (0.14.0-0.15.4 have no no_sync at all)."""
     for version in release_versions("deepspeed", "0.14.0", "0.19.8"):
         tree = ast.parse(_member("deepspeed", version, "deepspeed/runtime/engine.py"))
-        node = gating.find_definition(tree, "DeepSpeedEngine.no_sync")
+        node = upstream.find_definition(tree, "DeepSpeedEngine.no_sync")
         asserting = node is not None and any(
             isinstance(n, ast.Assert) and "zero_optimization_partition_gradients" in ast.dump(n.test)
             for n in ast.walk(node))
@@ -289,12 +291,12 @@ def test_trainer_scheduler_transforms_give_the_code_of_the_bands_diff(version, t
     patched = tree_locate(str(work))
     trainer, optim_sched = patch.targets
     for target, transform in ((trainer, fix.transform_trainer), (optim_sched, fix.no_scheduler_on_the_raw_optimizer)):
-        node = copy.deepcopy(gating.definition(locate(target.module), target.qualname))
+        node = copy.deepcopy(upstream.definition(locate(target.module), target.qualname))
         if target is optim_sched and not fix.builds_scheduler_before_prepare(node):
             assert version == "5.1.0"  # 5.1.0 builds no scheduler there: left as it is, and the diff leaves it
         else:
             transform(node)
-        assert ast.dump(node) == ast.dump(gating.definition(patched(target.module), target.qualname)), target
+        assert ast.dump(node) == ast.dump(upstream.definition(patched(target.module), target.qualname)), target
 
 
 # ---- transformers/peft-zero3-save --------------------------------------------------------------------------
@@ -358,7 +360,7 @@ def test_ppo_save_why_the_releases_outside_are_not_affected(version):
         assert "state_dict = self.accelerator.get_state_dict(self.backup_model)" in source
     elif version.startswith("0.10."):  # the same save_model, but nothing ever sets self.deepspeed (trl#2025)
         path = os.path.join(release_tree("trl", version, [PPOV2]), PPOV2)
-        assert gating.fingerprint(path, "PPOv2Trainer.save_model") == "054c3942bd1f272e"
+        assert upstream.fingerprint(path, "PPOv2Trainer.save_model") == "054c3942bd1f272e"
         assigned = [line.strip() for line in source.splitlines() if line.strip().startswith("self.deepspeed =")]
         assert assigned == ["self.deepspeed = self.model", "self.deepspeed = backup_deepspeed"]  # save_model's own
     else:  # 1.13.0 and later: no PPO trainer at all
@@ -396,7 +398,7 @@ def test_generation_hooks_the_releases_outside_have_no_old_call(version):
 def test_generation_hooks_deepspeed_gate_edges():
     def verdict(ds_version):
         # no files: where the deepspeed gate lets it through, the source check refuses (drifted)
-        return gating.evaluate(HOOKS, version="0.15.2", locate=lambda m: None, others={"deepspeed": ds_version})[1]
+        return gating.evaluate(HOOKS, version="0.15.2", locate=lambda m: None, others={"deepspeed": ds_version}).verdict
 
     assert verdict("0.16.3") == verdict("0.14.4") == verdict(None) == gating.NOT_AFFECTED
     # 0.16.4 and its local/pre builds are judged as 0.16.4 (deepspeed built from git reports the next release)

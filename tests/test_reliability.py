@@ -18,7 +18,7 @@ from conftest import clean_env, last_json, run_python
 
 pytestmark = pytest.mark.stack
 
-APPLICABLE = [pid for pid, p in registry.all_patches().items() if gating.evaluate(p)[1] == gating.APPLIES]
+APPLICABLE = [pid for pid, p in registry.all_patches().items() if gating.evaluate(p).verdict == gating.APPLIES]
 
 TRAIN = r'''
 import json, sys, tempfile

@@ -33,7 +33,7 @@ def test_two_ranks_patched_equal_stock_bit_for_bit(tmp_path):
     # every patch that applies to this stack, all active, on a job that hits none of their bugs
     # (the deepspeed ones: the job imports no Trainer, no trl)
     expected = [pid for pid, p in registry.all_patches().items()
-                if p.distribution == "deepspeed" and gating.evaluate(p)[1] == gating.APPLIES]
+                if p.distribution == "deepspeed" and gating.evaluate(p).verdict == gating.APPLIES]
     for s, p in zip(stock, patched):
         applied = sorted(pid for pid in p["applied"] if pid.startswith("deepspeed/"))
         assert s["applied"] == [] and applied == sorted(expected), (s["rank"], p["applied"])
@@ -62,3 +62,29 @@ def test_the_main_job(tmp_path):
     assert [line.split(" (")[0] for line in patched] == [f"rank {r}: expert ids kept: [0, 1, 2, 3]" for r in (0, 1)], \
         patched
     assert all("deepspeed/zero3-module-id among them" in line and len(line) < 130 for line in patched), patched
+
+
+def test_reproducer_ranks_forked_by_default_and_from_torchrun_on_request():
+    """--verify's multi-rank reproducers fork their ranks from the reproducer's process (dspatch.scenario.launch_ranks)
+    where nothing there differs from a fresh rank; with DSPATCH_RANKS=torchrun they are torchrun's fresh
+    interpreters, as before: that way too, stock shows the bug and the patch fixes it."""
+    import inspect
+
+    from dspatch import registry
+
+    from conftest import verify
+    from test_proofs import APPLICABLE
+
+    probe = "from dspatch.scenario import _fork_refused; print(_fork_refused())"
+    assert run_python(["-c", probe]).stdout.split() == ["None"]
+    assert run_python(["-c", probe], env=clean_env(DSPATCH_RANKS="torchrun")).stdout.strip() == "DSPATCH_RANKS=torchrun"
+    multi = [pid for pid in APPLICABLE if "launch_ranks(" in
+             inspect.getsource(inspect.getmodule(next(iter(registry.all_patches()[pid].scenarios.values()))))]
+    if not multi:
+        pytest.skip("no patch with a multi-rank reproducer applies to this stack")
+    patch = registry.all_patches()[multi[0]]
+    name, expected = next(iter(patch.expected_on_stock.items()))
+    stock = verify(patch.id, clean_env(DSPATCH_RANKS="torchrun"), "--only", name)
+    assert expected in stock["results"][name], stock
+    fixed = verify(patch.id, clean_env(DSPATCH=patch.id, DSPATCH_RANKS="torchrun"), "--only", name)
+    assert fixed["results"] == {name: "ok"}, fixed

@@ -15,6 +15,7 @@ import json
 import pytest
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import clean_env, run_python, verify
 
@@ -30,18 +31,18 @@ ALL_OK = {name: "ok" for name in PATCH.scenarios}
 
 
 def _version():
-    return gating.installed_version("transformers")
+    return upstream.installed_version("transformers")
 
 
 def _applies():
-    verdict = gating.evaluate(PATCH)[1]
+    verdict = gating.evaluate(PATCH).verdict
     if verdict != gating.APPLIES:
         assert verdict == gating.FIXED_UPSTREAM and _version().split(".")[0] == "5", (_version(), verdict)
         pytest.skip(f"transformers {_version()}: {verdict} (5.2.0)")
 
 
 def test_this_stack_verdict():
-    verdict = gating.evaluate(PATCH)[1]
+    verdict = gating.evaluate(PATCH).verdict
     assert verdict == (gating.FIXED_UPSTREAM if _version().startswith("5.") else gating.APPLIES)
 
 

@@ -26,11 +26,11 @@ BUG = ("bug: CheckpointError: Recomputed values for the following tensors have d
 
 
 def _applies():
-    return gating.evaluate(PATCH)[1] == gating.APPLIES
+    return gating.evaluate(PATCH).verdict == gating.APPLIES
 
 
 def test_verdict_on_this_stack():
-    verdict = gating.evaluate(PATCH)[1]
+    verdict = gating.evaluate(PATCH).verdict
     if not _applies():
         assert verdict == gating.FIXED_UPSTREAM, verdict  # latest: deepspeed 0.19.8 has upstream's fix
         pytest.skip(f"deepspeed {deepspeed_version()}: fixed upstream (0.19.3)")
@@ -46,7 +46,7 @@ def test_stock_upstream_reproduces_exactly():
 
 def test_together_with_zero3_module_id():
     other = registry.all_patches()[MODULE_ID]
-    if not _applies() or gating.evaluate(other)[1] != gating.APPLIES:
+    if not _applies() or gating.evaluate(other).verdict != gating.APPLIES:
         pytest.skip("deepspeed/zero3-module-id does not apply on this stack")
     proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=f"{PID},{MODULE_ID}"), warm="stack")
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])

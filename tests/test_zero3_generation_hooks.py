@@ -13,6 +13,7 @@ import pytest
 from packaging.version import Version
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, run_python, verify
 
@@ -25,7 +26,7 @@ STOCK_ERROR = "AttributeError: 'DeepSpeedZeRoOffload' object has no attribute '_
 
 
 def _version(distribution):
-    return Version(gating.installed_version(distribution))
+    return Version(upstream.installed_version(distribution))
 
 
 def affected():
@@ -33,7 +34,8 @@ def affected():
 
 
 def test_verdict_on_this_stack():
-    _, verdict, reason = gating.evaluate(PATCH)
+    found = gating.evaluate(PATCH)
+    verdict, reason = found.verdict, found.reason
     if affected():
         assert verdict == gating.APPLIES, reason
     elif _version("trl") >= Version("0.16.0"):

@@ -11,6 +11,7 @@ import pytest
 from packaging.version import Version
 
 from dspatch import data_dir, gating, registry
+from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
 
@@ -124,7 +125,7 @@ def _drift(package):
     """Change one target function the way a fork or a dev build would."""
     target = PATCH.targets[-1]
     path = os.path.join(package, *target.module.split(".")[1:]) + ".py"
-    first, lines = gating.source_segment(path, target.qualname)
+    first, lines = upstream.source_segment(path, target.qualname)
     text = open(path).read().split("\n")
     body_indent = " " * (len(lines[0]) - len(lines[0].lstrip()) + 4)
     text.insert(first - 1 + len(lines), f"{body_indent}_local_change = True")

@@ -8,6 +8,7 @@ import pytest
 from packaging.version import Version
 
 from dspatch import gating, registry
+from dspatch import upstream
 
 from conftest import clean_env, run_python, verify
 
@@ -19,12 +20,12 @@ DEQUE = "IndexError: pop from an empty deque"
 
 
 def _applies():
-    if gating.evaluate(PATCH)[1] != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply to this stack: {gating.evaluate(PATCH)[2]}")
+    if gating.evaluate(PATCH).verdict != gating.APPLIES:
+        pytest.skip(f"{PID} does not apply to this stack: {gating.evaluate(PATCH).reason}")
 
 
 def _trl():
-    return Version(gating.installed_version("trl") or "0")
+    return Version(upstream.installed_version("trl") or "0")
 
 
 def test_every_patch_active_together():
@@ -34,7 +35,7 @@ def test_every_patch_active_together():
     outcome = verify(PID, clean_env(DSPATCH="1"))
     assert outcome["results"] == dict.fromkeys(PATCH.scenarios, "ok"), outcome
     others = {"deepspeed/zero3-module-id", "trl/zero3-generation-hooks"}
-    together = [pid for pid in others if gating.evaluate(registry.all_patches()[pid])[1] == gating.APPLIES]
+    together = [pid for pid in others if gating.evaluate(registry.all_patches()[pid]).verdict == gating.APPLIES]
     assert set(together) <= set(outcome["applied"]) and PID in outcome["applied"], outcome["applied"]
 
 
@@ -55,10 +56,10 @@ def test_ppo_trains_on_after_its_generation():
     patch lets it through; run with the PPO save patch's reproducer (2 updates, gathered generation)."""
     _applies()
     ppo = registry.all_patches()["trl/ppo-deepspeed-save"]
-    if _trl() >= Version("1.5") or gating.evaluate(ppo)[1] != gating.APPLIES:
+    if _trl() >= Version("1.5") or gating.evaluate(ppo).verdict != gating.APPLIES:
         pytest.skip("trl >= 1.5 invalidates the trace itself, or no PPO trainer here")
     hooks = "trl/zero3-generation-hooks"
-    needed = [ppo.id] + ([hooks] if gating.evaluate(registry.all_patches()[hooks])[1] == gating.APPLIES else [])
+    needed = [ppo.id] + ([hooks] if gating.evaluate(registry.all_patches()[hooks]).verdict == gating.APPLIES else [])
     runs = {}
     for label, ids in (("without", needed), ("with", needed + [PID])):
         proc = run_python(["-m", "dspatch.verify", ppo.id, "--only", "zero3_save"], env=clean_env(DSPATCH=",".join(ids)),

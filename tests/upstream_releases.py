@@ -236,13 +236,13 @@ def tree_locate(root):
 
 def released_fingerprints(patch, versions, into):
     """{target qualname: set of its fingerprints} over the released sources of `versions`."""
-    from dspatch import gating
+    from dspatch import upstream
 
     seen = {t.qualname: set() for t in patch.targets}
     for version in versions:
         locate = extract_modules(patch.distribution, version, patch.modules, os.path.join(str(into), version))
         for t in patch.targets:
-            seen[t.qualname].add(gating.fingerprint(locate(t.module), t.qualname))
+            seen[t.qualname].add(upstream.fingerprint(locate(t.module), t.qualname))
     return seen
 
 
@@ -250,7 +250,8 @@ def main(argv):
     import tempfile
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from dspatch import gating, registry
+    from dspatch import registry
+    from dspatch import upstream
 
     patch = registry.all_patches()[argv[0]]
     table = {}
@@ -259,7 +260,7 @@ def main(argv):
             locate = extract_modules(patch.distribution, version, patch.modules, tmp)
             for t in patch.targets:
                 path = locate(t.module)
-                fp = path and gating.fingerprint(path, t.qualname)
+                fp = path and upstream.fingerprint(path, t.qualname)
                 table.setdefault((t.module, t.qualname), {}).setdefault(fp, []).append(version)
     for (module, qualname), prints in table.items():
         print(f"{module}:{qualname}")

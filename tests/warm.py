@@ -38,14 +38,17 @@ STACK = ("deepspeed", "transformers", "transformers.trainer", "accelerate", "pef
 WATCHED = ("deepspeed", "transformers", "accelerate", "trl")  # dspatch._hook.WATCHED
 
 
-def _lazy():
-    """(unwatched, watched) modules a run imports late on this stack, when the file that imports them is installed:
-    deepspeed >= 0.18's engine imports its Muon optimizer at every initialize, whose torch.compile decorator pulls in
-    torch._inductor (3-4 s per run on 2 cores). Preloaded like the rest, so that runs pay for their own work only."""
+def _lazy(env):
+    """(unwatched, watched) modules a run imports late on this stack, when the file that imports them is there (in
+    the run's copy of upstream, else installed): deepspeed >= 0.18's engine imports its Muon optimizer at every
+    initialize, whose torch.compile decorator pulls in torch._inductor (3-4 s per run on 2 cores). Preloaded like
+    the rest, so that runs pay for their own work only."""
     import importlib.util
 
+    copies = [os.path.join(p, "deepspeed") for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     spec = importlib.util.find_spec("deepspeed")  # a top-level spec: deepspeed itself is not imported
-    folder = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else ""
+    installed = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else ""
+    folder = next((c for c in copies if os.path.isdir(c)), installed)
     if os.path.exists(os.path.join(folder, "runtime", "zero", "muon", "original_muon.py")):
         return ("torch._inductor.compile_fx",), ("deepspeed.runtime.zero.muon.muon_optimizer",)
     return (), ()
@@ -182,7 +185,7 @@ def plan(env, mode="stack"):
     watches either, so that every patch decision is made in the child, on the copy, as in a fresh run."""
     if os.environ.get("DSPATCH_WARM", "1") == "0":
         return None
-    unwatched, watched = _lazy()
+    unwatched, watched = _lazy(env)
     if mode == "base":
         return (_without(env, "PYTHONPATH", *DSPATCH_VARS), BASE + BESIDE + unwatched, tuple(WATCHED)) \
             if not _packages_in_all(env) & {"torch", "dspatch"} else None

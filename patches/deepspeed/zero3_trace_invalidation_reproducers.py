@@ -159,7 +159,7 @@ def _past_the_trl_hooks_bug():
     from dspatch.scenario import applied
 
     hooks = registry.all_patches()["trl/zero3-generation-hooks"]
-    if applied(hooks.id) or gating.evaluate(hooks)[1] != gating.APPLIES:
+    if applied(hooks.id) or gating.evaluate(hooks).verdict != gating.APPLIES:
         yield
         return
     importlib.import_module("trl.models.utils")  # imported first, so that the fix applies now

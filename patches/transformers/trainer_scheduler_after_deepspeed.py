@@ -143,12 +143,12 @@ def builds_scheduler_before_prepare(definition):
 
 
 def apply(txn):
-    from dspatch import gating
+    from dspatch import upstream
     import sys
 
     trainer, optim_sched = txn.target(TRAINER[1]), txn.target(OPTIM_SCHED[1])
     path = sys.modules[OPTIM_SCHED[0]].__file__
-    node = gating.own_definition(path, OPTIM_SCHED[1]) or gating.definition(path, OPTIM_SCHED[1])
+    node = upstream.own_definition(path, OPTIM_SCHED[1]) or upstream.definition(path, OPTIM_SCHED[1])
     if builds_scheduler_before_prepare(node):  # < 5.1.0 (5.1.0's builds none: left as it is)
         txn.recode(optim_sched, no_scheduler_on_the_raw_optimizer)
     txn.recode(trainer, transform_trainer)

@@ -107,7 +107,7 @@ def _past_generation_hooks_bug():
     from dspatch.scenario import applied
 
     other = registry.all_patches().get("trl/zero3-generation-hooks")
-    return other is not None and not applied(other.id) and gating.evaluate(other)[1] == gating.APPLIES
+    return other is not None and not applied(other.id) and gating.evaluate(other).verdict == gating.APPLIES
 
 
 def gathered_policy(module):
