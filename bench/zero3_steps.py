@@ -38,7 +38,7 @@ def main(steps):
         losses.append(float(loss.item()).hex())
     runtime = dspatch._runtime
     applied = {pid: [len(txn.changes()) if txn.intact() else 0, len(txn.patch.targets)]
-               for pid, txn in runtime._applied.items()}
+               for pid, txn in runtime.state.applied.items()}
     print(json.dumps({"step_s": statistics.median(times), "losses": losses, "applied": applied,
                       "opcodes_per_step": opcodes_per_step(engine, config, generator)}))
 

@@ -29,7 +29,7 @@ def apply(ids=None, strict=None):
     or prefixes. Returns {patch id: (verdict, reason)}. Applying twice changes nothing."""
     from dspatch import _runtime, registry
 
-    if ids is None and not registry.flag("DSPATCH"):
+    if ids is None and not registry.active():
         ids = ["all"]
 
     return _runtime.activate(ids, strict)

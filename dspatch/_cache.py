@@ -32,9 +32,9 @@ def digest(data=b""):
 
 
 def enabled():
-    from dspatch._hook import OFF_WORDS
+    from dspatch._hook import flag
 
-    return os.environ.get("DSPATCH_CACHE", "1").strip().lower() not in OFF_WORDS
+    return flag("DSPATCH_CACHE", default="1")
 
 
 def folder():

@@ -9,11 +9,19 @@ import os
 import sys
 
 WATCHED = ("deepspeed", "accelerate", "transformers", "trl")
-OFF_WORDS = ("", "0", "false", "no", "off", "none")  # dspatch.pth and dspatch.registry use the same words
+OFF_WORDS = ("", "0", "false", "no", "off", "none")  # dspatch.pth repeats them: it runs before any import
 
 
-def strict():
-    return os.environ.get("DSPATCH_STRICT", "").strip().lower() not in OFF_WORDS
+def flag(name, environ=None, default=""):
+    """Whether the variable `name` is on: set to anything but an off word. The one reading of DSPATCH (on at all;
+    its ids: dspatch.registry.selection), DSPATCH_STRICT, DSPATCH_VERBOSE and DSPATCH_CACHE."""
+    env = os.environ if environ is None else environ
+    return env.get(name, default).strip().lower() not in OFF_WORDS
+
+
+def strict(environ=None):
+    """DSPATCH_STRICT=1: a patch that cannot apply, or a bad selection, is an error instead of a report."""
+    return flag("DSPATCH_STRICT", environ)
 
 
 class NotifyingLoader:

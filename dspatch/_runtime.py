@@ -9,15 +9,24 @@ import threading
 
 from dspatch import _hook, gating, registry
 
-_lock = threading.RLock()
-_active = False
-_strict = False
-_pending = {}    # id -> Patch selected, waiting for its target modules to finish importing
-_applied = {}    # id -> Transaction
-_superseded = {}  # id -> [Transaction]: still in force on class objects a reload replaced (others hold them)
-_outcome = {}    # id -> (verdict, reason) decided in this process
-_reported = set()
-_strict_failures = {}  # id -> message: under DSPATCH_STRICT=1 every later import of its modules fails too
+class _State:
+    """What this process has selected, applied and said: one object, guarded by its one lock."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.active = False  # a selection was made and the import hook is installed
+        self.strict = False  # DSPATCH_STRICT=1 or dspatch.apply(strict=True): a failure raises
+        self.pending = {}  # id -> Patch selected, waiting for its target modules to finish importing
+        self.applied = {}  # id -> Transaction
+        self.superseded = {}  # id -> [Transaction]: still in force on class objects a reload replaced (others hold them)
+        self.outcome = {}  # id -> (verdict, reason) decided in this process
+        self.reported = set()  # messages said once
+        self.strict_failures = {}  # id -> message: under DSPATCH_STRICT=1 every later import of its modules fails too
+        self.unsaid = []  # patches applied since the last summary line
+        self.seen = set()  # watched modules whose import passed the hook
+
+
+state = _State()
 
 
 class PatchError(RuntimeError):
@@ -26,44 +35,43 @@ class PatchError(RuntimeError):
 
 def _say(message):
     # Quiet by default: local rank 0 only (one line per node), every rank with DSPATCH_VERBOSE=1.
-    if os.environ.get("LOCAL_RANK", "0") in ("", "0") or registry.flag("DSPATCH_VERBOSE"):
+    if os.environ.get("LOCAL_RANK", "0") in ("", "0") or _hook.flag("DSPATCH_VERBOSE"):
         print(f"dspatch: {message}", file=sys.stderr, flush=True)
 
 
 def _report(key, message):
-    if key not in _reported:
-        _reported.add(key)
+    if key not in state.reported:
+        state.reported.add(key)
         _say(message)
 
 
-_unsaid = []  # patches applied since the last summary line
 
 
 def _flush_applied(just_loaded=None):
     """One line for the patches applied during one top-level import (`import deepspeed` applies several)."""
-    if _unsaid and not any(top in sys.modules and not _module_ready(top, just_loaded) for top in _hook.WATCHED):  # not while a watched package (deepspeed importing transformers...) is loading
-        _say("applied " + ", ".join(_unsaid))
-        _unsaid.clear()
+    if state.unsaid and not any(top in sys.modules and not _module_ready(top, just_loaded) for top in _hook.WATCHED):  # not while a watched package (deepspeed importing transformers...) is loading
+        _say("applied " + ", ".join(state.unsaid))
+        state.unsaid.clear()
 
 
 def state_of(pid):
-    with _lock:
-        if _active:
+    with state.lock:
+        if state.active:
             try:
                 _catch_up()
             except PatchError:  # strict: recorded as the verdict; raised at the next watched import
                 pass
-        return _outcome.get(pid)
+        return state.outcome.get(pid)
 
 
 def applied_ids():
-    return list(_applied)
+    return list(state.applied)
 
 
 def in_force(pid):
     """Whether patch `pid` is applied here, whole: not while a proof leaves one of its targets out
     (dspatch.verify --leave-out-each sets `left_out` on the patch for that time)."""
-    txn = _applied.get(pid)
+    txn = state.applied.get(pid)
     return txn is not None and txn.intact() and getattr(txn.patch, "left_out", None) is None
 
 
@@ -81,14 +89,14 @@ def notify(name):
     try:
         module_loaded(name)
     except Exception as e:
-        _hook.report_failure(name, e, _strict)
+        _hook.report_failure(name, e, state.strict)
 
 
 def module_loaded(name):
     """Called by the import hook after a module of a watched package has executed."""
-    with _lock:
-        _seen.add(name)
-        if not _active:
+    with state.lock:
+        state.seen.add(name)
+        if not state.active:
             activate(None, None, just_loaded=name)
         else:
             _requeue_if_reloaded(name)
@@ -97,32 +105,31 @@ def module_loaded(name):
         _flush_applied(name)
         if name == LAUNCHER:
             forward_to_nodes()
-        if _strict:
+        if state.strict:
             top = name.partition(".")[0]
-            for key, message in _strict_failures.items():  # every later import of that package fails too
+            for key, message in state.strict_failures.items():  # every later import of that package fails too
                 if key == SELECTION or registry.all_patches()[key].modules[0].partition(".")[0] == top:
                     raise PatchError(message)
 
 
-SELECTION = "selection"  # key of a bad DSPATCH/DSPATCH_DISABLE in _strict_failures: every import fails
-_seen = set()  # watched modules whose import passed the hook
+SELECTION = "selection"  # key of a bad DSPATCH/DSPATCH_DISABLE in state.strict_failures: every import fails
 
 
 def _catch_up(just_loaded=None):
     """A pending patch whose modules are all imported, yet it did not apply when the last of them loaded,
     was bypassed: a finder ahead of dspatch's on sys.meta_path imported them without our loader. Say so;
     apply it late (its in-use check still guards live objects); under strict, fail."""
-    for pid, patch in list(_pending.items()):
+    for pid, patch in list(state.pending.items()):
         if not all(_module_ready(m, just_loaded) for m in patch.modules):
             continue
-        missed = [m for m in patch.modules if m not in _seen]
+        missed = [m for m in patch.modules if m not in state.seen]
         if not missed:
             continue
         loader = type(getattr(getattr(sys.modules.get(missed[0]), "__spec__", None), "loader", None))
-        del _pending[pid]
+        del state.pending[pid]
         reason = (f"{', '.join(missed)} imported without passing dspatch's import hook (loader "
                   f"{loader.__module__}.{loader.__qualname__}: a finder ahead of dspatch's on sys.meta_path)")
-        if _strict:
+        if state.strict:
             return _fail(patch, gating.FAILED, f"not applied: {reason}", f"{pid} not applied: {reason}")
         _report(("bypass", pid), f"{pid}: {reason}; applying it late")
         _apply_one(patch, late=True)
@@ -143,30 +150,29 @@ def forward_to_nodes():
 
 def activate(ids, strict, just_loaded=None):
     """Select patches (code or environment), hook future imports, and apply what is importable now."""
-    global _active, _strict
-    with _lock:
-        _strict = registry.flag("DSPATCH_STRICT") if strict is None else bool(strict)
+    with state.lock:
+        state.strict = _hook.strict() if strict is None else bool(strict)
         try:  # a bad selection leaves the state as it was (a typo in code does not switch DSPATCH=1 off)
             chosen, _ = registry.selection(ids)
         except registry.SelectionError as e:
             _report(("selection", str(e)), f"{e}. Nothing applied.")
-            if _strict:  # and so fails every later import of a watched package, not only the first
-                _strict_failures[SELECTION] = f"dspatch: {e}. Nothing applied (DSPATCH_STRICT=1)."
-                raise PatchError(_strict_failures[SELECTION]) from None
+            if state.strict:  # and so fails every later import of a watched package, not only the first
+                state.strict_failures[SELECTION] = f"dspatch: {e}. Nothing applied (DSPATCH_STRICT=1)."
+                raise PatchError(state.strict_failures[SELECTION]) from None
             return {}
-        _strict_failures.pop(SELECTION, None)
-        _active = True
+        state.strict_failures.pop(SELECTION, None)
+        state.active = True
         _hook.install(notify)
         patches = registry.all_patches()
         for pid in chosen:
-            if pid not in _applied:
-                _outcome.pop(pid, None)
-                _pending[pid] = patches[pid]
+            if pid not in state.applied:
+                state.outcome.pop(pid, None)
+                state.pending[pid] = patches[pid]
         _apply_ready(None, late=just_loaded is None, just_loaded=just_loaded)
         _flush_applied(just_loaded)
         if _module_ready(LAUNCHER, just_loaded):
             forward_to_nodes()
-        return {pid: _outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
+        return {pid: state.outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
                 for pid in chosen}
 
 
@@ -174,32 +180,32 @@ def _requeue_if_reloaded(name):
     # A reload (or a fresh import after sys.modules was purged) re-executes a module: its classes are new,
     # unpatched objects, while other modules still hold the old ones. Keep the old ones patched (so
     # nothing mixes the two numberings) and patch the new ones too.
-    for pid, txn in list(_applied.items()):
+    for pid, txn in list(state.applied.items()):
         if name in txn.patch.modules and not txn.intact():
-            _superseded.setdefault(pid, []).append(txn)
-            del _applied[pid]
-            _outcome.pop(pid, None)
-            _pending[pid] = txn.patch
+            state.superseded.setdefault(pid, []).append(txn)
+            del state.applied[pid]
+            state.outcome.pop(pid, None)
+            state.pending[pid] = txn.patch
 
 
 def _apply_ready(trigger, late=False, just_loaded=None):
     """Apply pending patches whose modules have all finished importing. `late`: they finished before
     activation, so upstream objects may already be in use."""
     just_loaded = just_loaded or trigger
-    for pid, patch in list(_pending.items()):
+    for pid, patch in list(state.pending.items()):
         if trigger is not None and trigger not in patch.modules:
             continue
         if all(_module_ready(m, just_loaded) for m in patch.modules):
-            del _pending[pid]
+            del state.pending[pid]
             _apply_one(patch, late)
 
 
 def _fail(patch, verdict, reason, message, cause=None):
-    _outcome[patch.id] = (verdict, reason)
+    state.outcome[patch.id] = (verdict, reason)
     _report(patch.id, message)
-    if _strict:
-        _strict_failures[patch.id] = f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)"
-        raise PatchError(_strict_failures[patch.id]) from cause
+    if state.strict:
+        state.strict_failures[patch.id] = f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)"
+        raise PatchError(state.strict_failures[patch.id]) from cause
 
 
 def _apply_one(patch, late=False):
@@ -208,7 +214,7 @@ def _apply_one(patch, late=False):
     if verdict == gating.DRIFTED:
         return _fail(patch, verdict, reason, f"{patch.id} skipped: {reason}")
     if verdict != gating.APPLIES:
-        _outcome[patch.id] = (verdict, reason)
+        state.outcome[patch.id] = (verdict, reason)
         return
     try:
         busy = patch.in_use() if late and patch.in_use else None
@@ -223,29 +229,28 @@ def _apply_one(patch, late=False):
     except BaseException as e:
         txn.rollback()
         if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: nothing left half-applied, then go on
-            _outcome[patch.id] = (gating.FAILED, f"interrupted ({type(e).__name__}); left out whole")
+            state.outcome[patch.id] = (gating.FAILED, f"interrupted ({type(e).__name__}); left out whole")
             raise
         reason = f"{type(e).__name__}: {e}; left out whole, nothing changed"
         return _fail(patch, gating.FAILED, reason,
                      f"{patch.id} could not apply to {patch.distribution} {version}: {reason}", e)
-    _applied[patch.id] = txn
-    _strict_failures.pop(patch.id, None)
-    _outcome[patch.id] = (gating.APPLIED, f"applied in this process to {patch.distribution} {version}")
-    _unsaid.append(f"{patch.id} ({patch.distribution} {version})")
+    state.applied[patch.id] = txn
+    state.strict_failures.pop(patch.id, None)
+    state.outcome[patch.id] = (gating.APPLIED, f"applied in this process to {patch.distribution} {version}")
+    state.unsaid.append(f"{patch.id} ({patch.distribution} {version})")
 
 
 def revert(ids=None, force=False):
     """Undo applied patches; with no ids, also stop watching imports. A patch whose `in_use()` says live
     objects depend on it is not reverted (RuntimeError) unless `force`."""
-    global _active
-    with _lock:
-        wanted = list(dict.fromkeys([*_applied, *_superseded])) if ids is None else registry._resolve_tokens(
+    with state.lock:
+        wanted = list(dict.fromkeys([*state.applied, *state.superseded])) if ids is None else registry._resolve_tokens(
             registry.split(ids) if isinstance(ids, str) else list(ids), "dspatch.revert()")
         busy = {}
         for pid in wanted:
-            if pid in _applied and _applied[pid].patch.in_use and not force:
+            if pid in state.applied and state.applied[pid].patch.in_use and not force:
                 try:
-                    busy[pid] = _applied[pid].patch.in_use()
+                    busy[pid] = state.applied[pid].patch.in_use()
                 except Exception as e:
                     busy[pid] = f"could not tell whether live objects depend on it ({type(e).__name__}: {e})"
         busy = {pid: why for pid, why in busy.items() if why}
@@ -253,26 +258,26 @@ def revert(ids=None, force=False):
             raise RuntimeError("dspatch: not reverted, " + "; ".join(f"{p}: {w}" for p, w in busy.items())
                                + " (revert(force=True) if they will not be used again)")
         # whole or not at all: a function whose code another tool swapped since cannot get upstream's back
-        blocked = [c for pid in wanted for t in [_applied.get(pid), *_superseded.get(pid, [])] if t is not None
+        blocked = [c for pid in wanted for t in [state.applied.get(pid), *state.superseded.get(pid, [])] if t is not None
                    for c in t.blocked()]
         if blocked:
             raise RuntimeError("dspatch: not reverted, nothing changed: another tool has replaced the code of "
                                + "; ".join(blocked) + " since dspatch patched it (undo theirs first)")
         done = []
         for pid in wanted:
-            _pending.pop(pid, None)
-            _strict_failures.pop(pid, None)
-            txn = _applied.pop(pid, None)
+            state.pending.pop(pid, None)
+            state.strict_failures.pop(pid, None)
+            txn = state.applied.pop(pid, None)
             if txn is not None:
                 txn.rollback()
                 done.append(pid)
-            for old in reversed(_superseded.pop(pid, [])):
+            for old in reversed(state.superseded.pop(pid, [])):
                 old.rollback()
-            _outcome.pop(pid, None)
+            state.outcome.pop(pid, None)
         if ids is None:
-            _pending.clear()
+            state.pending.clear()
             _hook.uninstall()
-            _active = False
+            state.active = False
         return done
 
 
@@ -293,7 +298,7 @@ _wrapper_class = None
 def _wrapper_type():
     """wrapt.FunctionWrapper that copies and pickles like the function it wraps (by reference), so a patched
     method behaves as a stock one under copy, deepcopy and pickle (wrapt's proxies refuse by default)."""
-    global _wrapper_class
+    global _wrapper_class  # a type made once, on first use (wrapt imported only when a patch applies)
     if _wrapper_class is None:
         import wrapt
 
@@ -387,7 +392,7 @@ class Transaction:
         for part in path:
             owner = getattr(owner, part)
         raw = vars(owner)[name]
-        for old in _superseded.get(self.patch.id, ()):
+        for old in state.superseded.get(self.patch.id, ()):
             for change in old._undo:
                 if isinstance(change, _AttributeChange) and change.installed is raw:
                     return owner, name, change.previous
@@ -400,7 +405,7 @@ class Transaction:
 
         _, _, value = self.resolve(target)
         function = upstream_function(value, target, sys.modules[target.module].__file__)
-        if not any(change.function is function for old in _superseded.get(self.patch.id, ())
+        if not any(change.function is function for old in state.superseded.get(self.patch.id, ())
                    for change in old._undo if isinstance(change, _CodeChange)):
             # a code-swapping tool (ddtrace's wrapping does this) got there first: its trampoline would be lost
             if not same_code(function.__code__, rebuild_code(target, lambda node: None, function)):

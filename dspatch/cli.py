@@ -22,7 +22,7 @@ PROBLEMS = (gating.DRIFTED, gating.FAILED, gating.BROKEN)
 def _env_summary(environ):
     shown = {k: registry.short(environ[k]) for k in ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT")
              if environ.get(k)}
-    if not registry.flag("DSPATCH", environ):
+    if not registry.active(environ):
         state = "DSPATCH is not set: nothing is applied until you set DSPATCH=1 (or a list of ids)"
     else:
         state = "active: patches marked 'applies' are applied when their package is imported"
@@ -136,7 +136,7 @@ def run_script(args):
         return 2
     if args.only is not None:
         os.environ["DSPATCH"] = ",".join(args.only)
-    elif not registry.flag("DSPATCH"):
+    elif not registry.active():
         os.environ["DSPATCH"] = "1"
     dspatch_apply(None, strict=None)
     sys.argv = [args.script, *args.script_args]

@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import sys
 
 # ESC [ ... final byte, and other two-character escapes
@@ -361,7 +362,7 @@ def advice(patch, environ=None):
     found = gating.evaluate(patch)
     version, verdict, reason = found.version, found.verdict, found.reason
     try:
-        selected = patch.id in registry.selection(None, env, "DSPATCH")[0] if registry.flag("DSPATCH", env) else False
+        selected = patch.id in registry.selection(None, env, "DSPATCH")[0] if registry.active(env) else False
     except registry.SelectionError:
         selected = False
     link = patch.links[0] if patch.links else ""
@@ -515,19 +516,56 @@ def _message_lines(chunk, first, word, uses):
 
 
 def _chunks(f):
-    """(first line number, bytes of whole lines, their newlines), _CHUNK bytes or so at a time; colour codes taken
-    out (they may sit inside a word)."""
-    line = 0
+    """(first line number, bytes of whole lines, their newlines, (offset, end) of those bytes in the file),
+    _CHUNK bytes or so at a time; colour codes taken out (they may sit inside a word)."""
+    line, offset = 0, 0
     while True:
         block = f.read(_CHUNK)
         if not block:
             return
         if not block.endswith(b"\n"):
             block += f.readline()  # the rest of its last line
+        span = (offset, offset + len(block), b"\x1b" in block)
+        offset = span[1]
         block = _strip_ansi(block)
         newlines = block.count(b"\n")
-        yield line, block, newlines
+        yield line, block, newlines, span
         line += newlines
+
+
+_GREP = shutil.which("grep") if os.name == "posix" else None
+
+
+def _grepped(f, words):
+    """The file offsets where `grep -F -i` (bytes, C locale) finds any of `words` in the log `f` (its file on
+    disk), or None when it cannot tell (no grep here, not a plain file, an error): a chunk where it finds none holds
+    none of them (each is searched for in the chunk, exactly, only where it finds one). One pass in C, where
+    Python's own search goes over the log once per word."""
+    import subprocess
+
+    path = getattr(f, "name", None)
+    if not _GREP or not words or not isinstance(path, str) or not os.path.isfile(path) or \
+            os.path.getsize(path) != f.seek(0, os.SEEK_END):
+        f.seek(0)
+        return None
+    f.seek(0)
+    try:
+        proc = subprocess.run([_GREP, "-a", "-b", "-o", "-F", "-f", "-", path], capture_output=True,
+                              input=b"\n".join(sorted(words)), env={**os.environ, "LC_ALL": "C"})
+    except OSError:
+        return None
+    if proc.returncode not in (0, 1):
+        return None
+    return sorted(int(line.partition(b":")[0]) for line in proc.stdout.splitlines())
+
+
+def _holds(found, span):
+    """Whether grep's offsets `found` (None: no grep) fall in the chunk's `span`, or the chunk had colour codes
+    (grep read the raw bytes, where a code may sit inside a word)."""
+    import bisect
+
+    start, end, coloured = span
+    return found is None or coloured or bisect.bisect_left(found, start) < bisect.bisect_left(found, end)
 
 
 _ANSI_BYTES = re.compile(_ANSI.pattern.encode())  # the same codes, in the raw bytes
@@ -562,11 +600,12 @@ def _numbered(chunk, first, starts):
 
 def _line_start(chunk, index):
     """Offset in the chunk of the start of its line `index` (0-based): a binary search on newline counts."""
-    low, high = 0, len(chunk)
+    low, high, below = 0, len(chunk), 0  # below: the newlines before `low` (each step counts only its window)
     while low < high:
         middle = (low + high) // 2
-        if chunk.count(b"\n", 0, middle) < index:
-            low = middle + 1
+        counted = below + chunk.count(b"\n", low, middle)
+        if counted < index:
+            low, below = middle + 1, counted + (chunk[middle:middle + 1] == b"\n")
         else:
             high = middle
     return low
@@ -610,14 +649,17 @@ def skim(f, patches):
         text = f.read().decode("utf-8", errors="replace")
         return clean_lines(text)
     triggers, anywhere = plan
+    grepped = _grepped(f, {w.encode() for w in triggers})
     hits, found, count = set(), set(), 0
-    for first, chunk, newlines in _chunks(f):
+    for first, chunk, newlines, span in _chunks(f):
+        count = first + newlines + (not chunk.endswith(b"\n"))
+        if not _holds(grepped, span):
+            continue
         for word, uses in triggers.items():
             at = _message_lines(chunk, first, word.encode(), uses)
             if at:
                 hits |= at
                 found.add(word)
-        count = first + newlines + (not chunk.endswith(b"\n"))
     if not hits:
         return Sparse(count, {})
     # a message's traceback reaches 4 * _BEFORE lines up, its wrapped lines _JOINED down
@@ -629,10 +671,10 @@ def skim(f, patches):
     # the versions that can decide between them: those of their packages (and what their bugs also need)
     names = {n.encode() for patch, _, _ in candidates for n in (patch.distribution, *patch.requires)}
     kept = {}
-    f.seek(0)
-    for first, chunk, newlines in _chunks(f):
+    grepped = _grepped(f, texts)
+    for first, chunk, newlines, span in _chunks(f):
         last = first + newlines + (not chunk.endswith(b"\n"))
-        starts = _lines_holding(chunk, first, texts)
+        starts = _lines_holding(chunk, first, texts) if _holds(grepped, span) else {}
         starts.update(_lines_holding(chunk, first, names, search=chunk.lower()))
         _read_lines(chunk, first, starts, _runs(n for n in around if first <= n < last), kept)
         around = {n for n in around if n >= last}

@@ -3,7 +3,7 @@ import importlib
 import os
 
 from dspatch import patches as _patches_pkg
-from dspatch._hook import OFF_WORDS  # one list, shared with dspatch.pth's start-up check
+from dspatch._hook import OFF_WORDS, flag  # the one reading of on and off (dspatch.pth repeats the words)
 
 ON_WORDS = {"1", "all", "true", "yes", "on"}
 
@@ -91,6 +91,6 @@ def selection(ids=None, environ=None, source="dspatch.apply()"):
     return chosen, left_out
 
 
-def flag(name, environ=None):
-    env = os.environ if environ is None else environ
-    return env.get(name, "").strip().lower() not in OFF_WORDS
+def active(environ=None):
+    """Whether DSPATCH turns dspatch on at all (its ids: selection())."""
+    return flag("DSPATCH", environ)

@@ -125,7 +125,7 @@ def rank_environment():
     from dspatch import _runtime
 
     # in force here, or selected and waiting for an import this process never made
-    ids = [pid for pid in _runtime.applied_ids() if _runtime.in_force(pid)] + list(_runtime._pending)
+    ids = [pid for pid in _runtime.applied_ids() if _runtime.in_force(pid)] + list(_runtime.state.pending)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSPATCH") and k not in _RENDEZVOUS}
     env.update(DS_ACCELERATOR=env.get("DS_ACCELERATOR", "cpu"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     if ids:
@@ -203,7 +203,7 @@ def _fork_refused():
     if state is not None and any(getattr(getattr(state, name, None), "_shared_state", None)
                                  for name in ("PartialState", "AcceleratorState")):
         return "this process holds accelerate's state"
-    if any(_runtime._applied[pid].intact() is False for pid in _runtime.applied_ids()):
+    if any(_runtime.state.applied[pid].intact() is False for pid in _runtime.applied_ids()):
         return "a patch here is no longer whole"
     return None
 

@@ -10,7 +10,7 @@ def check_all(ids=None, environ=None, source="dspatch.apply()"):
     """Rows for every registered patch: environment verdict, then selection, then in-process state."""
     patches = registry.all_patches()
     env = os.environ if environ is None else environ
-    active = ids is not None or registry.flag("DSPATCH", env)
+    active = ids is not None or registry.active(env)
     if active:
         _, left_out = registry.selection(ids, env, source)
     else:

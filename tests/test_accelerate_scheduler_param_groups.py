@@ -15,6 +15,7 @@ from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import clean_env, run_python, verify
+from upstream_releases import diff_text
 
 pytestmark = pytest.mark.stack
 
@@ -108,3 +109,17 @@ print("R", out)
 '''
     out = [line for line in run_python(["-c", code], warm="stack").stdout.splitlines() if line.startswith("R ")][-1]
     assert out == "R [None, None, [0, 2], [[1.0, 3.0], [1.0, 3.0]], [0.9, 2.7]]", out
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_scheduler_param_groups_diffs_add_the_realignment():
+    patch = registry.all_patches()["accelerate/deepspeed-scheduler-param-groups"]
+    assert patch.diff_for("1.15.0") == "accelerate/0001-deepspeed-scheduler-param-groups.patch"  # to forward
+    for relative in patch.diffs.values():
+        text = diff_text(relative)
+        for field in ("Bug: https://github.com/huggingface/transformers/pull/43692",
+                      "+def realign_scheduler_param_groups(scheduler, groups_before):",
+                      "+                        realign_scheduler_param_groups(scheduler, scheduler_param_groups)"):
+            assert field in text, (relative, field)

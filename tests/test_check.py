@@ -86,7 +86,7 @@ def test_run_a_script_with_dspatch_active(tmp_path):
     script.write_text("import os, subprocess, sys, dspatch._hook as hook, dspatch._runtime as runtime\n"
                       "child = subprocess.run([sys.executable, '-c', 'import sys; print(\"dspatch._boot\" in sys.modules)'],"
                       " capture_output=True, text=True).stdout.strip()\n"
-                      "print(runtime._active, hook.finder() is not None, child, os.environ['DSPATCH'], sys.argv[1:])\n")
+                      "print(runtime.state.active, hook.finder() is not None, child, os.environ['DSPATCH'], sys.argv[1:])\n")
     out = run_python(["-m", "dspatch.apply", str(script), "--lr", "3"]).stdout.strip().splitlines()[-1]
     assert out == "True True True 1 ['--lr', '3']"  # children (spawn workers, launchers) are patched too
     out = run_python(["-m", "dspatch.apply", "--only", "deepspeed", str(script)]).stdout.strip().splitlines()[-1]

@@ -24,6 +24,10 @@ from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import STACK, apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
+from upstream_releases import changed_lines
+from upstream_releases import diff_text
+from upstream_releases import member
+import ast
 
 pytestmark = pytest.mark.stack
 
@@ -232,3 +236,64 @@ def test_fixed_releases_keep_the_patch_out_and_round_trip_on_stock():
     assert gating.evaluate(PATCH).verdict == gating.FIXED_UPSTREAM
     outcome = verify(PID, clean_env(DSPATCH="1"))  # every patch active, as users run it
     assert PID not in outcome["applied"] and outcome["results"] == ALL_OK, outcome
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+WEIGHTS_ONLY = registry.all_patches()["deepspeed/checkpoint-weights-only"]
+LOADERS = ("deepspeed/runtime/checkpoint_engine/torch_checkpoint_engine.py", "deepspeed/runtime/base_optimizer.py",
+           "deepspeed/utils/zero_to_fp32.py")
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_weights_only_torch_gate_edges():
+    def verdict(torch_version):
+        return gating.evaluate(WEIGHTS_ONLY, version="0.15.4", locate=lambda m: None,
+                               others={"torch": torch_version}).verdict
+
+    assert verdict("2.5.1") == verdict("2.4.0") == verdict(None) == gating.NOT_AFFECTED
+    # 2.6.0 and its local/pre builds are judged as 2.6 (then the source decides: no files here -> drifted)
+    assert verdict("2.6.0") == verdict("2.6.0+cpu") == verdict("2.6.0rc1") == gating.DRIFTED
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_weights_only_diff_adds_one_keyword_to_each_load():
+    (relative,) = WEIGHTS_ONLY.diffs.values()
+    removed, added = changed_lines(diff_text(relative))
+    assert len(removed) == len(added) == 4  # the diff and the monkeypatch make the same change
+    for old, new in zip(removed, added):
+        assert "weights_only" not in old and new == old[:-1] + ", weights_only=False)", (old, new)
+
+
+def _torch_loads(tree):
+    """{(qualname of the innermost def, has weights_only)} for every `torch.load(...)` call in a module."""
+    found = set()
+
+    def visit(node, names):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, names + [child.name])
+                continue
+            if isinstance(child, ast.Call) and ast.unparse(child.func) == "torch.load":
+                found.add((".".join(names), any(k.arg == "weights_only" for k in child.keywords)))
+            visit(child, names)
+
+    visit(tree, [])
+    return found
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+@pytest.mark.parametrize("version", ["0.14.1", "0.14.4", "0.15.4", "0.16.0"])
+def test_weights_only_targets_are_every_torch_load_of_these_loaders(version):
+    """In the three files the patch touches, its targets are exactly the functions that call torch.load
+    without weights_only (none are left once upstream's fix is in, 0.16.0)."""
+    loads = {}
+    for relative in LOADERS:
+        source = member("deepspeed", version, relative)
+        module = relative[:-3].replace("/", ".")
+        loads.update({(module, q): has for q, has in _torch_loads(ast.parse(source))})
+    unset = {key for key, has in loads.items() if not has}
+    if Version(version) >= Version("0.16.0"):
+        assert unset == set() and len(loads) == len(WEIGHTS_ONLY.targets)
+    else:
+        assert unset == {(t.module, t.qualname) for t in WEIGHTS_ONLY.targets}

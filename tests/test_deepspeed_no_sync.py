@@ -18,6 +18,10 @@ from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, verify
+from packaging.specifiers import SpecifierSet
+from upstream_releases import member
+from upstream_releases import release_versions
+import ast
 
 pytestmark = pytest.mark.stack
 
@@ -117,3 +121,38 @@ def test_fixed_upstream_runs_the_same_jobs_stock(_records):
     assert numbers["accumulate-2"] == numbers["sync_each_batch-2"]
     assert numbers["accumulate-3"] == numbers["sync_each_batch-3"]
     assert numbers["accumulate-1"]["entered_deepspeed_no_sync"] == 2
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+NO_SYNC = registry.all_patches()["accelerate/deepspeed-no-sync"]
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_no_sync_deepspeed_asserts_in_no_sync_from_0_16_0():
+    """The second half of the gate: `DeepSpeedEngine.no_sync` exists, and asserts that gradients are not
+    partitioned, in exactly the releases `requires` names (0.14.0-0.15.4 have no no_sync at all)."""
+    for version in release_versions("deepspeed", "0.14.0", "0.19.8"):
+        tree = ast.parse(member("deepspeed", version, "deepspeed/runtime/engine.py"))
+        node = upstream.find_definition(tree, "DeepSpeedEngine.no_sync")
+        asserting = node is not None and any(
+            isinstance(n, ast.Assert) and "zero_optimization_partition_gradients" in ast.dump(n.test)
+            for n in ast.walk(node))
+        assert asserting == SpecifierSet(NO_SYNC.requires["deepspeed"]).contains(version), version
+        assert (node is None) == (not asserting), version
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_no_sync_the_trainer_reaches_deepspeeds_no_sync_only_through_accelerate():
+    """Why there is no transformers patch: the Trainer of every release 4.46.1-4.47.1 (4.46.0 has no sdist) enters
+    no_sync only as `self.accelerator.no_sync` (4.46.2-4.47.0 on each micro-step but the last of a window, 4.47.1
+    not under DeepSpeed; 4.46.1 through accumulate only), so the fixed Accelerator.no_sync (this patch, or
+    accelerate >= 1.9.0) covers it."""
+    direct = []
+    for version in release_versions("transformers", "4.46.0", "4.47.1"):
+        tree = ast.parse(member("transformers", version, "src/transformers/trainer.py"))
+        uses = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                and node.attr == "no_sync"]
+        assert set(uses) <= {"self.accelerator.no_sync"}, (version, uses)
+        direct += [version] if uses else []
+    assert direct == ["4.46.2", "4.46.3", "4.47.0", "4.47.1"]

@@ -14,6 +14,8 @@ from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
+from upstream_releases import changed_lines
+from upstream_releases import diff_text
 
 pytestmark = pytest.mark.stack
 
@@ -239,3 +241,15 @@ def test_deepspeed_chat_fixed_call_shape(dspatch_on):
     assert report["fixed call (engine.module)"][1] > 0
     assert report["old call (engine.model)"] == (HINTED if dspatch_on else
                                                  "'DeepSpeedEngine' object has no attribute 'model'")
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_engine_hint_deepspeedexamples_diff_is_well_formed():
+    text = diff_text("DeepSpeedExamples/0001-deepspeed-chat-print-throughput-engine-module.patch")
+    assert "Bug: https://github.com/deepspeedai/DeepSpeedExamples/issues/924" in text
+    assert "commit\n 45b4b7156c8794a3452a5a7d03dbd8d797068569" in text  # the head it was made against
+    removed, added = changed_lines(text)
+    assert removed == ["                print_throughput(model.model, args, end - start,"] * 2
+    assert added == ["                print_throughput(model.module, args, end - start,"] * 2

@@ -95,15 +95,20 @@ def test_how_often_the_right_bug_is_named(monkeypatch, capsys):
     assert right == total - undecidable
 
 
+@pytest.mark.parametrize("grep", [True, False], ids=["grep", "python-search"])
 @pytest.mark.parametrize("chunk", [1 << 24, 97])
-def test_a_log_skimmed_from_its_file_reads_as_the_whole_log(chunk, monkeypatch, tmp_path):
-    """What the command line reads (dspatch.explain.skim: plain search for each message's words, then only the lines
+def test_a_log_skimmed_from_its_file_reads_as_the_whole_log(chunk, grep, monkeypatch, tmp_path):
+    """What the command line reads (dspatch.explain.skim: grep, or plain search, for each message's words, then only the lines
     around them and those the log-wide patterns and versions need) decides every real log as reading every line
     does: the same bugs named, the same choices, the same line numbers; also when each log is buried in 4,000
     lines of training output and when the chunks it is read in are cut every 97 bytes."""
     noise = "".join(f"[rank{i % 2}]: {{'loss': 0.{i:04d}, 'grad_norm': 1.2}} step {i}/4000 [00:01<00:09]\r\n"
                     for i in range(4000))
     monkeypatch.setattr(explain, "_CHUNK", chunk)
+    if grep:  # grep picks the chunks where a message's word is; Python's own search, where there is no grep
+        assert explain._GREP, "no grep on this machine: the skim's grep prefilter is not checked"
+    else:
+        monkeypatch.setattr(explain, "_GREP", None)
     patches = list(PATCHES.values())
     for number, path in enumerate(LOGS):
         header, text = read(path)

@@ -19,6 +19,8 @@ import pytest
 from dspatch import gating, registry
 
 from conftest import clean_env, deepspeed_version, run_python, STACK, verify
+from upstream_releases import changed_lines
+from upstream_releases import diff_text
 
 pytestmark = pytest.mark.stack
 
@@ -187,3 +189,15 @@ print("R", first, second, same, all(p is not s for p, s in zip(patched, stock)),
 '''
     out = [line for line in run_python(["-c", code], warm="stack").stdout.splitlines() if line.startswith("R ")][-1]
     assert out == "R applied applied True True True True"
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_frozen_names_diffs_make_the_same_change_in_every_band():
+    for relative in registry.all_patches()["deepspeed/frozen-param-names"].diffs.values():
+        removed, added = changed_lines(diff_text(relative))
+        assert not removed  # one method added, one call in each of the three functions
+        calls = [line.strip() for line in added if line.strip().startswith("self._refresh_param_names(")]
+        assert calls == ["self._refresh_param_names()", "self._refresh_param_names(check=False)",
+                         "self._refresh_param_names(update=False)"], (relative, calls)

@@ -12,6 +12,12 @@ import pytest
 from dspatch import gating, registry
 
 from conftest import clean_env, deepspeed_version, run_python, verify
+from dspatch import data_dir
+from test_releases import RELEASES
+from test_releases import _tree
+from upstream_releases import diff_text
+import os
+import subprocess
 
 pytestmark = pytest.mark.stack
 
@@ -231,3 +237,18 @@ def test_table(name, table):
     else:
         assert _stock_corruption(name, stock), stock
         assert patched == {"second": "refused", "warned": 0, "first": "identical"}, patched
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_initialize_once_each_release_takes_its_own_bands_diff_and_no_other():
+    patch = registry.all_patches()["deepspeed/initialize-once"]
+    for version in RELEASES["deepspeed/initialize-once"]:
+        root, _ = _tree("deepspeed/initialize-once", version)
+        for relative in patch.diffs.values():
+            check = subprocess.run(["git", "apply", "--check", os.path.join(data_dir("upstream_prs"), relative)],
+                                   cwd=root, capture_output=True)
+            assert (check.returncode == 0) == (relative == patch.diff_for(version)), (version, relative)
+    for relative in patch.diffs.values():
+        assert "create mode 100644 deepspeed/runtime/initialize_guard.py" in diff_text(relative)

@@ -18,6 +18,16 @@ from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import clean_env, run_python, STACK, verify, verify_log, with_gather_fix
+from dspatch import data_dir
+from packaging.version import Version
+from test_releases import RELEASES
+from test_releases import _tree
+from upstream_releases import changed_lines
+from upstream_releases import diff_text
+from upstream_releases import member
+from upstream_releases import named
+import os
+import subprocess
 
 pytestmark = pytest.mark.stack
 
@@ -206,3 +216,52 @@ def test_fixed_upstream_saves_the_adapter_but_gathers_frozen_weights():
     assert results["peft_gather_flag_on"] == "ok" and results["no_peft_unchanged"] == "ok", results
     for name in ("peft_save_partitioned", "peft_save_persistent"):
         assert results[name].startswith(FROZEN_GATHERED), results[name][:500]
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+PEFT_SAVE = registry.all_patches()["transformers/peft-zero3-save"]
+# the DeepSpeed branch the patch edits, as every affected release has it
+BRANCH = """        elif self.is_deepspeed_enabled:
+            try:
+                state_dict = self.accelerator.get_state_dict(self.deepspeed)
+                if self.args.should_save:
+                    self._save(output_dir, state_dict=state_dict)
+            except ValueError:
+                logger.warning(
+                    " stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use"
+                    " zero_to_fp32.py to recover weights"
+                )
+                if self.args.should_save:
+                    self._save(output_dir, state_dict={})
+                # remove the dummy state_dict
+                remove_dummy_checkpoint(self.args.should_save, output_dir, [WEIGHTS_NAME, SAFE_WEIGHTS_NAME])
+                self.model_wrapped.save_checkpoint(output_dir)
+"""
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_peft_save_the_branch_is_in_every_affected_release_and_gone_in_the_fix():
+    for version in RELEASES["transformers/peft-zero3-save"]:
+        source = member("transformers", version, "src/transformers/trainer.py").decode()
+        assert source.count(BRANCH) == (0 if Version(version) >= Version("5.0.0") else 1), version
+    root, _ = _tree("transformers/peft-zero3-save", "5.0.0")  # PR 41416 changed exactly that branch
+    (relative,) = PEFT_SAVE.diffs.values()
+    check = subprocess.run(["git", "apply", "--check", os.path.join(data_dir("upstream_prs"), relative)], cwd=root,
+                           capture_output=True)
+    assert check.returncode != 0
+    removed, _ = changed_lines(diff_text(relative))
+    assert removed == ["                state_dict = self.accelerator.get_state_dict(self.deepspeed)"]
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_peft_save_signatures_match_the_stock_warning_only():
+    line = (" stage3_gather_16bit_weights_on_model_save=false. Saving the full checkpoint instead, use"
+            " zero_to_fp32.py to recover weights")
+    assert line.strip() in BRANCH.replace('"\n                    "', "")  # the Trainer's own words
+    peft = "trainable params: 8,192 || all params: 1,240,064 || trainable%: 0.6606"  # peft's print_trainable_parameters
+    assert named(f"{peft}\n{line}", PEFT_SAVE)
+    assert not named(line, PEFT_SAVE)  # a full model at ZeRO-3 logs it too, and is saved right
+    for other in ("ValueError: Cannot get 16bit model weights because `stage3_gather_16bit_weights_on_model_save` "
+                  "in DeepSpeed config is False.", "Saving model checkpoint to out/checkpoint-2"):
+        assert not named(other, PEFT_SAVE)

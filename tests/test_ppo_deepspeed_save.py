@@ -19,6 +19,13 @@ from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, run_python, run_ranks, STACK, verify
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from test_releases import RELEASES
+from upstream_releases import diff_text
+from upstream_releases import member
+from upstream_releases import release_tree
+import os
 
 pytestmark = pytest.mark.stack
 
@@ -235,3 +242,38 @@ def test_without_deepspeed_and_in_training_nothing_changes():
     final = {name[len("final/"):]: digest for name, digest in files.items() if name.startswith("final/")}
     assert patched["upstream's save_model"] == final  # without DeepSpeed the wrapper runs upstream's save as it is
     assert patched["restored"] == [True, True, True]
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+PPOV2, PPO = "trl/trainer/ppov2_trainer.py", "trl/trainer/ppo_trainer.py"
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+@pytest.mark.parametrize("version", [v for v in RELEASES["trl/ppo-deepspeed-save"]
+                                     if not SpecifierSet(">=0.11.0,<1.13.0").contains(v)])
+def test_ppo_save_why_the_releases_outside_are_not_affected(version):
+    source = (member("trl", version, PPOV2) or b"").decode()
+    if version.startswith("0.9."):  # saves correctly: gathers from the engine, strips "policy." itself
+        assert "self.deepspeed" not in source and 'k.startswith("policy.")' in source
+        assert "state_dict = self.accelerator.get_state_dict(self.backup_model)" in source
+    elif version.startswith("0.10."):  # the same save_model, but nothing ever sets self.deepspeed (trl#2025)
+        path = os.path.join(release_tree("trl", version, [PPOV2]), PPOV2)
+        assert upstream.fingerprint(path, "PPOv2Trainer.save_model") == "054c3942bd1f272e"
+        assigned = [line.strip() for line in source.splitlines() if line.strip().startswith("self.deepspeed =")]
+        assert assigned == ["self.deepspeed = self.model", "self.deepspeed = backup_deepspeed"]  # save_model's own
+    else:  # 1.13.0 and later: no PPO trainer at all
+        assert Version(version) >= Version("1.13.0")
+        for relative in (PPOV2, PPO, "trl/experimental/ppo/ppo_trainer.py", "trl/trainer/ppo_config.py"):
+            assert member("trl", version, relative) is None
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_ppo_save_each_diff_says_which_releases_it_applies_to():
+    patch = registry.all_patches()["trl/ppo-deepspeed-save"]
+    for band, relative in patch.diffs.items():
+        inside = [v for v in RELEASES["trl/ppo-deepspeed-save"] if SpecifierSet(band).contains(v)]
+        text = diff_text(relative)
+        assert "Bug: https://github.com/huggingface/trl/issues/2885" in text
+        assert "Bug: https://github.com/huggingface/trl/issues/2122" in text
+        assert f"as released on PyPI; applies as it is to every\n release {inside[0]}-{inside[-1]}." in text

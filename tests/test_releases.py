@@ -1,7 +1,7 @@
 """Every patch of the registry against every release of its package in the range it is checked on: the released
 sources (sdists, or the wheel of a release published without one), read, never executed. One suite for all
 patches; what is specific to a patch is what its reproducers module declares (RELEASES_CHECKED,
-OTHERS_WITH_AND_WITHOUT) and tests/test_releases_specific.py.
+OTHERS_WITH_AND_WITHOUT) and, for what one patch alone needs, its own test module (tests marked unit_only).
 
 For every release: the verdict is the one the declaration gives (fixed upstream / not affected / unsupported /
 applies), and where it applies the release's own source has a recorded fingerprint, exactly one diff band covers

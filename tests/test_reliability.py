@@ -269,7 +269,7 @@ for name in sys.argv[1:]:
     for t in threads:
         t.join()
 print(json.dumps({"errors": errors, "applied": _runtime.applied_ids(),
-                  "changes": {pid: len(txn.changes()) for pid, txn in _runtime._applied.items()}}))
+                  "changes": {pid: len(txn.changes()) for pid, txn in _runtime.state.applied.items()}}))
 '''
 
 

@@ -63,19 +63,19 @@ def test_check_shows_the_selection_the_runtime_uses(values):
         said = []
         real_say, _runtime._say = _runtime._say, said.append
         try:
-            chosen = _runtime.activate(None, False) if registry.flag("DSPATCH") else {}
+            chosen = _runtime.activate(None, False) if registry.active() else {}
         finally:
             _runtime._say = real_say
             _runtime.revert()
-            _runtime._reported.clear()
+            _runtime.state.reported.clear()
     finally:
         os.environ.clear()
         os.environ.update(saved)
     if rows is None:  # --check refuses the value: the runtime applies nothing, and says why
         assert chosen == {} and said and "Nothing applied" in said[0], (values, said)
     else:
-        shown = {row.patch.id for row in rows if row.verdict != gating.DISABLED} if registry.flag(
-            "DSPATCH", env) else set()
+        shown = {row.patch.id for row in rows if row.verdict != gating.DISABLED} if registry.active(env) \
+            else set()
         assert set(chosen) == shown, (values, chosen, shown)
 
 

@@ -18,6 +18,14 @@ from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import clean_env, run_python, verify
+from dspatch import data_dir
+from test_releases import RELEASES
+from test_releases import _tree
+from upstream_releases import tree_locate
+import ast
+import copy
+import os
+import subprocess
 
 pytestmark = pytest.mark.stack
 
@@ -90,3 +98,32 @@ def test_jobs_without_the_bug_stay_stock():
     assert report["stock"]["zero2"]["groups"] == 2 and report["stock"]["zero2"]["scheduler"] == "LambdaLR"
     assert report["stock"]["zero2"]["lrs"] == report["stock"]["plain"]["lrs"]
     assert report["stock"]["ds scheduler"]["scheduler"] == "DeepSpeedSchedulerWrapper"
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+SCHEDULER = "transformers/trainer-scheduler-after-deepspeed"
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+@pytest.mark.parametrize("version", RELEASES[SCHEDULER][:RELEASES[SCHEDULER].index("5.1.0") + 1])
+def test_trainer_scheduler_transforms_give_the_code_of_the_bands_diff(version, tmp_path):
+    """Parity of the two forms, for every release: the transforms rebuild both targets into the same code (AST)
+    as the band's diff applied to the release."""
+    from dspatch.patches.transformers import trainer_scheduler_after_deepspeed as fix
+
+    patch = registry.all_patches()[SCHEDULER]
+    root, locate = _tree(SCHEDULER, version)
+    work = tmp_path / "tree"
+    subprocess.run(["cp", "-r", root, str(work)], check=True)
+    subprocess.run(["git", "apply", os.path.join(data_dir("upstream_prs"), patch.diff_for(version))], cwd=work,
+                   check=True)
+    patched = tree_locate(str(work))
+    trainer, optim_sched = patch.targets
+    for target, transform in ((trainer, fix.transform_trainer), (optim_sched, fix.no_scheduler_on_the_raw_optimizer)):
+        node = copy.deepcopy(upstream.definition(locate(target.module), target.qualname))
+        if target is optim_sched and not fix.builds_scheduler_before_prepare(node):
+            assert version == "5.1.0"  # 5.1.0 builds no scheduler there: left as it is, and the diff leaves it
+        else:
+            transform(node)
+        assert ast.dump(node) == ast.dump(upstream.definition(patched(target.module), target.qualname)), target

@@ -16,6 +16,15 @@ from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, run_python, verify
+from packaging.specifiers import SpecifierSet
+from test_releases import RELEASES
+from upstream_releases import changed_lines
+from upstream_releases import diff_text
+from upstream_releases import git_am
+from upstream_releases import member
+from upstream_releases import named
+import ast
+import re
 
 pytestmark = pytest.mark.stack
 
@@ -194,3 +203,75 @@ print("R " + json.dumps(report))
     assert report == {"applied": "applied", "same_object": True, "line": True, "file": True,
                       "added": ["_register_deepspeed_module"], "removed": ["_register_hooks_recursively"],
                       "patched": "ok", "restored": True, "after_revert": "bug"}
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+HOOKS = registry.all_patches()["trl/zero3-generation-hooks"]
+UTILS = "trl/models/utils.py"
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+@pytest.mark.parametrize("version", [v for v in RELEASES["trl/zero3-generation-hooks"]
+                                     if not SpecifierSet(">=0.8.2,<0.16.0").contains(v)])
+def test_generation_hooks_the_releases_outside_have_no_old_call(version):
+    source = (member("trl", version, UTILS) or b"").decode()  # trl < 0.8 has no such module
+    if Version(version) >= Version("0.16.0"):
+        assert "_register_deepspeed_module" in source  # upstream's fix (PR 2963)
+    else:  # no add_hooks: unwrap_model_for_generation never takes the hooks off (or does not exist)
+        assert "_register_hooks_recursively" not in source and "def add_hooks" not in source
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_generation_hooks_deepspeed_gate_edges():
+    def verdict(ds_version):
+        # no files: where the deepspeed gate lets it through, the source check refuses (drifted)
+        return gating.evaluate(HOOKS, version="0.15.2", locate=lambda m: None, others={"deepspeed": ds_version}).verdict
+
+    assert verdict("0.16.3") == verdict("0.14.4") == verdict(None) == gating.NOT_AFFECTED
+    # 0.16.4 and its local/pre builds are judged as 0.16.4 (deepspeed built from git reports the next release)
+    assert verdict("0.16.4") == verdict("0.16.4+abc123") == verdict("0.16.4rc1") == verdict("0.19.8") == \
+        gating.DRIFTED
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_generation_hooks_diff_and_git_am(tmp_path):
+    (relative,) = HOOKS.diffs.values()
+    text = diff_text(relative)
+    assert "Bug: https://github.com/huggingface/trl/issues/2962" in text
+    assert re.findall(r"^diff --git a/(\S+)", text.split("\n---\n", 1)[1], re.M) == [UTILS]
+    removed, added = changed_lines(text)
+    assert removed == ["    optimizer_offload._register_hooks_recursively(optimizer_offload.module)"]
+    # the new name where deepspeed has it, else the old one: works on both sides of the rename
+    code = ast.unparse(ast.parse("\n".join(line[4:] for line in added)))
+    assert code == ("register = getattr(optimizer_offload, '_register_deepspeed_module', None)\n"
+                    "if register is None:\n    register = optimizer_offload._register_hooks_recursively\n"
+                    "register(optimizer_offload.module)")
+    (tmp_path / "trl" / "models").mkdir(parents=True)
+    (tmp_path / UTILS).write_bytes(member("trl", "0.15.2", UTILS))
+    assert "ZeRO-3 hooks" in git_am(tmp_path, relative, "trl 0.15.2")
+    assert "_register_deepspeed_module" in (tmp_path / UTILS).read_text()
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_generation_hooks_transform_renames_exactly_that_call():
+    from dspatch.patches.trl.zero3_generation_hooks import new_registration_name
+    from dspatch.rewrite import RewriteError
+
+    tree = ast.parse("def add_hooks(model):\n    o = model.optimizer\n    o._register_hooks_recursively(o.module)\n")
+    new_registration_name(tree.body[0])
+    assert ast.unparse(tree).splitlines()[-1] == "    o._register_deepspeed_module(o.module)"
+    for source in ("def add_hooks(model):\n    return model\n",  # nothing to rename: refuse
+                   "def add_hooks(o):\n    f = o._register_hooks_recursively\n    f(o.module)\n"):
+        with pytest.raises(RewriteError):
+            new_registration_name(ast.parse(source).body[0])
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+def test_generation_hooks_signature_names_this_bug_only():
+    line = "AttributeError: 'DeepSpeedZeRoOffload' object has no attribute '_register_hooks_recursively'"
+    assert named(line, HOOKS) and named("[rank1]: " + line, HOOKS)
+    for other in ("AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'forward_hooks'",
+                  "AttributeError: 'DistributedDataParallel' object has no attribute 'optimizer'"):
+        assert not named(other, HOOKS)
+    assert json.dumps(HOOKS.expected_on_stock).count(line) == len(HOOKS.expected_on_stock)

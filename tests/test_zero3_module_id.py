@@ -14,6 +14,12 @@ from dspatch import data_dir, gating, registry
 from dspatch import upstream
 
 from conftest import apply_upstream_diff, clean_env, deepspeed_version, run_python, verify
+from packaging.specifiers import SpecifierSet
+from upstream_releases import extract_modules
+from upstream_releases import release_versions
+from upstream_releases import sdist
+import ast
+import tarfile
 
 pytestmark = pytest.mark.stack
 
@@ -425,3 +431,75 @@ def test_a_fresh_import_after_sys_modules_was_purged_is_patched_too():
         "expert_ids_through_training())\n")
     lines = _reported_lines(code)
     assert lines == [f"True True ['{PID}'] ([0, 1, 2, 3], [0, 1, 2, 3]) ([0, 1, 2, 3], [0, 1, 2, 3])"], lines
+
+
+# ---- what the released sources say: marked unit_only, run once in the unit session, never executed ----
+
+MODULE_ID = registry.all_patches()["deepspeed/zero3-module-id"]
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+@pytest.mark.parametrize("version, files, expected", [
+    ("0.16.3+cu121", "0.16.3", gating.APPLIES),     # a local build of a release: its source decides
+    ("0.16.4+g1234", "0.16.3", gating.APPLIES),     # git build after 0.16.3 (version.txt bumped), before the fix
+    ("0.16.4+g5678", "0.16.4", gating.FIXED_UPSTREAM),  # git build with the fix
+    ("0.16.4.dev0", "0.16.4", gating.FIXED_UPSTREAM),
+    ("0.16.3.post1", "0.16.3", gating.APPLIES),
+    ("0.16.3.post1", "0.16.4", gating.FIXED_UPSTREAM),  # says 0.16.3, has upstream's fix backported
+    ("0.16.4+g9999", "drifted-0.16.3", gating.DRIFTED),  # neither a known affected source nor the fix
+])
+def test_module_id_builds_that_are_not_plain_releases_are_judged_by_their_source(version, files, expected,
+                                                                                   tmp_path):
+    locate = extract_modules("deepspeed", files.rpartition("-")[2], MODULE_ID.modules, str(tmp_path))
+    if files.startswith("drifted-"):  # a local change to one of the functions the patch rebuilds
+        path = locate(MODULE_ID.targets[0].module)
+        text = open(path).read().replace("        my_count = count[0]\n", "        my_count = count[0] + 0\n")
+        open(path, "w").write(text)
+    found = gating.evaluate(MODULE_ID, version=version, locate=locate)
+    verdict, reason = found.verdict, found.reason
+    assert verdict == expected, reason
+
+
+def _functions_touching(tree, attribute):
+    """{qualname} of the functions (innermost def) whose code reads or writes `.<attribute>`."""
+    found = set()
+
+    def visit(node, names):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, names + [child.name])
+            else:
+                if isinstance(child, ast.Attribute) and child.attr == attribute:
+                    found.add(".".join(names))
+                visit(child, names)
+
+    visit(tree, [])
+    return found
+
+
+@pytest.mark.unit_only  # released sources only: once, in the unit session
+@pytest.mark.parametrize("pid", [pid for pid, p in registry.all_patches().items() if p.renamed])
+def test_a_rename_covers_every_function_that_touches_the_attribute(pid):
+    """Over the whole package of every affected release: no function outside the targets reads or writes the
+    renamed attribute (except those declared unrelated, each with its reason)."""
+    patch = registry.all_patches()[pid]
+    attribute, exempt = patch.renamed
+    top = patch.modules[0].split(".")[0]
+    targets = {f"{t.module.replace('.', '/')}.py:{t.qualname}" for t in patch.targets}
+    for version in release_versions(patch.distribution, "0.0", "999"):
+        if not SpecifierSet(patch.affected).contains(version) or not (
+                not patch.supported or SpecifierSet(patch.supported).contains(version)):
+            continue
+        touching = set()
+        with tarfile.open(sdist(patch.distribution, version)) as tar:
+            for member in tar.getmembers():
+                relative = member.name.split("/", 1)[-1]
+                if not (member.isfile() and relative.startswith(top + "/") and relative.endswith(".py")):
+                    continue
+                with tar.extractfile(member) as f:
+                    try:
+                        tree = ast.parse(f.read())
+                    except SyntaxError:
+                        continue
+                touching |= {f"{relative}:{q}" for q in _functions_touching(tree, attribute)}
+        assert touching - set(exempt) == targets, (version, sorted(touching ^ (targets | set(exempt))))

@@ -246,6 +246,53 @@ def released_fingerprints(patch, versions, into):
     return seen
 
 
+# What the per-patch tests read in the released sources and the diffs (each patch's own test module).
+
+def named(text, patch):
+    """Whether dspatch.explain names `patch` in the log `text` (only that patch considered)."""
+    from dspatch import explain
+
+    return [item["patch"] for item in explain.find(explain.clean_lines(text), [patch])[0]] == [patch]
+
+
+def diff_text(relative):
+    """The text of a diff of upstream_prs/, by its relative path."""
+    from dspatch import data_dir
+
+    return open(os.path.join(data_dir("upstream_prs"), relative)).read()
+
+
+def changed_lines(text):
+    """(removed, added) lines of a diff's body, without their +/- and the file headers."""
+    body = text.split("\n---\n", 1)[1].split("\n-- \n", 1)[0]  # between the stat and the signature
+    removed = [line[1:] for line in body.splitlines() if line.startswith("-") and not line.startswith("---")]
+    added = [line[1:] for line in body.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    return removed, added
+
+
+def member(project, version, relative):
+    """One file of a release, by its repository path (None when the release lacks it)."""
+    path = os.path.join(release_tree(project, version, [relative]), relative)
+    return open(path, "rb").read() if os.path.isfile(path) else None
+
+
+def git_am(tree, diff, message):
+    """Commit `tree` as it is, `git am` the diff of upstream_prs/ on it; the applied commit's message."""
+    import subprocess
+
+    from dspatch import data_dir
+
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t", GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
+    git = lambda *a: subprocess.run(["git", *a], cwd=tree, env=env, check=True, capture_output=True,  # noqa: E731
+                                    text=True)
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", message)
+    git("am", os.path.join(data_dir("upstream_prs"), diff))
+    return git("log", "-1", "--format=%s%n%b").stdout
+
+
 def main(argv):
     import tempfile
 

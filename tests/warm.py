@@ -196,7 +196,9 @@ def plan(env, mode="stack"):
     if not copies:
         return base, BASE + STACK + unwatched + watched, ()
     forbidden = set(copies)
-    if base.get("DSPATCH", "").strip().lower() not in ("", "0", "false", "no", "off", "none"):
+    from dspatch._hook import flag
+
+    if flag("DSPATCH", base):
         forbidden |= set(WATCHED)
         base = _without(base, *DSPATCH_VARS)  # nothing watched preloaded: the child runs dspatch.pth
     # a module is preloaded only if nothing forbidden is needed for it (peft and trl import transformers...)
