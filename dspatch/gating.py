@@ -66,6 +66,19 @@ def _source_mismatch(patch, locate, version=None):
     return None
 
 
+# The sentence of each rule that needs nothing but the distribution {d}, its version {v} and the bound {b}.
+_SENTENCES = {
+    "absent": "{d} is not installed",
+    "version": "{d} version {v!r} is not a PEP 440 version; left out",
+    "release": "fixed upstream in {b}",
+    "range": "the bug affects {d} {b} only",
+    "supported": "{d} {v} has the bug, but this patch is written and tested for {b} only; left out",
+    "build fix": "{v} is a build that contains upstream's fix ({b})",
+    "build number": "fixed upstream in {b} ({v} is a build at or past it, and its source is not that of an affected "
+                    "release)",
+}
+
+
 class Verdict:
     """What the environment says of one patch: `verdict` (APPLIES, FIXED_UPSTREAM, ...), for `distribution` at
     `version`, decided by `rule` (which check decided: "release", "range", "requires", "supported", "source",
@@ -89,34 +102,20 @@ class Verdict:
 
     @property
     def reason(self):
-        p, v, d = self.patch, self.version, self.distribution
-        rule = self.rule
-        if rule == "files":
+        d, v, b = self.distribution, self.version, self.bound
+        if self.rule in _SENTENCES:
+            return _SENTENCES[self.rule].format(d=d, v=v, b=b)
+        if self.rule == "files":
             return (f"{d}'s files are installed ({self.seen['files']}) but its metadata (dist-info) is missing or "
                     f"unreadable, so its release cannot be told; left out")
-        if rule == "absent":
-            return f"{d} is not installed"
-        if rule == "version":
-            return f"{d} version {v!r} is not a PEP 440 version; left out"
-        if rule == "release":
-            return f"fixed upstream in {self.bound}"
-        if rule == "range":
-            return f"the bug affects {d} {self.bound} only"
-        if rule == "requires":
+        if self.rule == "requires":
             (other, seen), = self.seen.items()
-            return f"the bug needs {self.bound}; {other} {seen + ' is installed' if seen else 'is not installed'}"
-        if rule == "supported":
-            return f"{d} {v} has the bug, but this patch is written and tested for {self.bound} only; left out"
-        if rule == "build fix":
-            return f"{v} is a build that contains upstream's fix ({self.bound})"
-        if rule == "build number":
-            return (f"fixed upstream in {self.bound} ({v} is a build at or past it, and its source is not that of "
-                    f"an affected release)")
-        if rule == "source" and self.verdict == APPLIES:
+            return f"the bug needs {b}; {other} {seen + ' is installed' if seen else 'is not installed'}"
+        if self.rule == "source" and self.verdict == APPLIES:
             note = "" if self.plain else ", and its source is that of a released version with the bug"
-            note += "".join(f", with {other} {seen} (the bug needs {other}{p.requires[other]})"
+            note += "".join(f", with {other} {seen} (the bug needs {other}{self.patch.requires[other]})"
                             for other, seen in self.seen.items())
-            return f"{d} {v} has the bug ({self.bound}){note}"
+            return f"{d} {v} has the bug ({b}){note}"
         return f"{self.mismatch}; left out"  # drifted source
 
     def as_dict(self):
