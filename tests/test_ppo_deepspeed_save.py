@@ -62,7 +62,7 @@ def _applies_here():
 def test_this_stack_is_covered():
     from packaging.version import Version
 
-    version, verdict, reason = VERDICT
+    version, verdict, reason = VERDICT.version, VERDICT.verdict, VERDICT.reason
     if STACK == "latest" or Version(version) >= Version("1.13.0"):  # trl 1.13.0 removed PPO
         assert verdict == gating.NOT_AFFECTED and reason == "the bug affects trl >=0.11.0,<1.13.0 only", VERDICT
         return
@@ -85,13 +85,13 @@ def test_dspatch_env_fixes_saving():
     assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
     assert len(said) == 1 and said[0].startswith("dspatch: applied ") and \
-        f"{PID} (trl {VERDICT[0]})" in said[0], said
+        f"{PID} (trl {VERDICT.version})" in said[0], said
 
 
 def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
     _applies_here()
     site, _ = package_copy("trl")
-    apply_upstream_diff(PATCH, VERDICT[0], site)
+    apply_upstream_diff(PATCH, VERDICT.version, site)
     # on transformers 4.x stock already saves correctly at ZeRO-2: the ZeRO-3 reproducer is the one to fix
     only = [] if _transformers_major() >= 5 else ["--only", "zero3_save"]
     outcome = verify(PID, clean_env(PYTHONPATH=site), *only)
