@@ -64,6 +64,7 @@ def test_the_main_job(tmp_path):
     assert all("deepspeed/zero3-module-id among them" in line and len(line) < 130 for line in patched), patched
 
 
+@pytest.mark.machinery  # how dspatch starts a reproducer's ranks: release-independent
 def test_reproducer_ranks_forked_by_default_and_from_torchrun_on_request():
     """--verify's multi-rank reproducers fork their ranks from the reproducer's process (dspatch.scenario.launch_ranks)
     where nothing there differs from a fresh rank; with DSPATCH_RANKS=torchrun they are torchrun's fresh
