@@ -223,6 +223,10 @@ def run(args, env, cwd, input=None, timeout=900, mode="stack"):
         if len(_zygotes) >= MAX_ZYGOTES:
             _zygotes.pop(next(iter(_zygotes))).close()
         zygote = Zygote(base, preload, forbidden)
+        if os.environ.get("DSPATCH_WARM_LOG"):  # which environments start zygotes (CI time)
+            with open(os.environ["DSPATCH_WARM_LOG"], "a") as log:
+                log.write(json.dumps({"pid": os.getpid(), "mode": mode, "forbidden": forbidden, "preload": len(preload),
+                                      "env": {k: v for k, v in base.items() if k.startswith("DSPATCH")}}) + "\n")
     _zygotes[key] = zygote
     if not zygote.ready:
         _fallbacks.append(zygote.why_not)
