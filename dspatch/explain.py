@@ -537,8 +537,8 @@ _GREP = shutil.which("grep") if os.name == "posix" else None
 
 
 def _grepped(f, words):
-    """The file offsets where `grep -F -i` (bytes, C locale) finds any of `words` in the log `f` (its file on
-    disk), or None when it cannot tell (no grep here, not a plain file, an error): a chunk where it finds none holds
+    """The file offsets where `grep -F` (bytes, C locale, case as given) finds any of `words` in the log `f` (its
+    file on disk), or None when it cannot tell (no grep here, not a plain file, an error): a chunk where it finds none holds
     none of them (each is searched for in the chunk, exactly, only where it finds one). One pass in C, where
     Python's own search goes over the log once per word."""
     import subprocess

@@ -3,7 +3,7 @@ import importlib
 import os
 
 from dspatch import patches as _patches_pkg
-from dspatch._hook import OFF_WORDS, flag  # the one reading of on and off (dspatch.pth repeats the words)
+from dspatch._hook import flag  # the one reading of on and off (dspatch.pth repeats the words)
 
 ON_WORDS = {"1", "all", "true", "yes", "on"}
 
@@ -70,7 +70,7 @@ def selection(ids=None, environ=None, source="dspatch.apply()"):
     known = all_patches()
     if ids is None:
         raw = env.get("DSPATCH", "").strip()
-        if raw.lower() in OFF_WORDS:
+        if not active(env):
             wanted = []
         elif raw.lower() in ON_WORDS:
             wanted = list(known)

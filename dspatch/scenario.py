@@ -285,8 +285,10 @@ def _be_rank(module, argv, env, folder, log_fd, leave_out):
         traceback.print_exc()
         return 1
     finally:
-        leave_distributed()  # what atexit does in a fresh rank (this one leaves with os._exit: the parent's
-        sys.stdout.flush()  # exit handlers are not its own)
+        # what atexit does in a fresh rank; this one leaves with os._exit, since the exit handlers it inherited are
+        # the parent's, not its own
+        leave_distributed()
+        sys.stdout.flush()
         sys.stderr.flush()
     return 0
 

@@ -19,17 +19,17 @@ def test_unset_reads_the_environment_and_nothing_else():
         assert _loaded(clean_env(DSPATCH=word)) == [], word
 
 
-def test_the_pth_and_the_registry_agree_on_off_words():
+def test_the_pth_and_the_one_reading_of_on_and_off_agree_on_off_words():
     import ast
     import os
     import re
     import sysconfig
 
-    from dspatch import registry
+    from dspatch import _hook
 
     line = open(os.path.join(sysconfig.get_paths()["purelib"], "dspatch.pth")).read()  # the installed one
     words = ast.literal_eval(re.search(r"not in (\(.*?\))", line).group(1))
-    assert set(words) == set(registry.OFF_WORDS)
+    assert set(words) == set(_hook.OFF_WORDS)  # what dspatch._hook.flag reads (DSPATCH, DSPATCH_STRICT, ...)
 
 
 def test_set_installs_only_the_tiny_hook():
