@@ -135,11 +135,13 @@ for _name in STACKS:
 
 @nox.session(python="3.11")
 def trl_tf5(session):
-    """trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers 5.23.0 (torch 2.13 CPU)."""
+    """trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers 5.23.0 (torch 2.13 CPU): its own tests,
+    and the monkeypatch's and the diff's proofs every patch owes."""
     install_once(session, TORCH)
     install_once(session, *TRL_TF5)
     install_dspatch(session, "wrapt>=2.5", "packaging", "pytest")
-    session.run("pytest", "-m", "not unit_only", "tests/test_ppo_deepspeed_save.py", *session.posargs,
+    tests = ["tests/test_ppo_deepspeed_save.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
+    session.run("pytest", "-m", "not unit_only", *tests, "-k", "ppo", *session.posargs,
                 env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 

@@ -5,6 +5,7 @@
     dspatch explain LOG [--json]                          which known bug a failed job's log shows, and what to do
     dspatch export --out DIR [--all]                      the upstream diffs for the installed releases (`git am`)
     dspatch run [--only IDS] script.py [args...]          run a script with dspatch active (DSPATCH=1 unless set)
+    dspatch audit FILE... [--pins PINS] [--json]          the known bugs a lock or requirements file's pins have
 
 `check` decides from installed metadata and source files; it imports neither torch nor any patched package
 (`verify` runs each applicable patch's reproducers in subprocesses). `python -m dspatch.apply --check`,
@@ -206,7 +207,8 @@ def legacy_main(argv=None, prog="python -m dspatch.apply"):
 
 COMMANDS = {"check": "what applies here, and why", "verify": "run the reproducers of what applies, stock then patched",
             "explain": "which known bug a failed job's log shows", "export": "the upstream diffs for this environment",
-            "run": "run a script with dspatch active"}
+            "run": "run a script with dspatch active",
+            "audit": "the known bugs a lock or requirements file's pins have, before installing"}
 
 
 def _usage():
@@ -245,6 +247,10 @@ def main(argv=None):
         from dspatch import export
 
         return export.main(rest, prog="dspatch export")
+    if command == "audit":
+        from dspatch import audit
+
+        return audit.main(rest, prog="dspatch audit")
     if command == "run":
         if not rest or rest[0] in ("-h", "--help"):
             print("usage: dspatch run [--only IDS] script.py [args...]\n\n" + COMMANDS["run"] + " (DSPATCH=1 unless "

@@ -515,57 +515,103 @@ def _message_lines(chunk, first, word, uses):
     return {n + k for n in _numbered(chunk, first, found) for k in range(_JOINED + 1)}
 
 
-def _chunks(f):
-    """(first line number, bytes of whole lines, their newlines, (offset, end) of those bytes in the file),
-    _CHUNK bytes or so at a time; colour codes taken out (they may sit inside a word)."""
+def _spans(f):
+    """(first line number, lines, (offset, end, whether colour codes are in it)) of the log's chunks: _CHUNK bytes
+    or so of whole lines at a time (the last line may lack its newline), read once to count lines."""
     line, offset = 0, 0
+    f.seek(0)
     while True:
         block = f.read(_CHUNK)
         if not block:
             return
         if not block.endswith(b"\n"):
             block += f.readline()  # the rest of its last line
-        span = (offset, offset + len(block), b"\x1b" in block)
-        offset = span[1]
-        block = _strip_ansi(block)
-        newlines = block.count(b"\n")
-        yield line, block, newlines, span
-        line += newlines
+        lines = block.count(b"\n") + (not block.endswith(b"\n"))
+        yield line, lines, (offset, offset + len(block), b"\x1b" in block)
+        line += lines
+        offset += len(block)
+
+
+def _read(f, span):
+    """The chunk at `span`, colour codes taken out (they may sit inside a word)."""
+    f.seek(span[0])
+    return _strip_ansi(f.read(span[1] - span[0]))
 
 
 _GREP = shutil.which("grep") if os.name == "posix" else None
 
 
-def _grepped(f, words):
-    """The file offsets where `grep -F` (bytes, C locale, case as given) finds any of `words` in the log `f` (its
-    file on disk), or None when it cannot tell (no grep here, not a plain file, an error): a chunk where it finds none holds
-    none of them (each is searched for in the chunk, exactly, only where it finds one). One pass in C, where
-    Python's own search goes over the log once per word."""
-    import subprocess
-
-    path = getattr(f, "name", None)
-    if not _GREP or not words or not isinstance(path, str) or not os.path.isfile(path) or \
-            os.path.getsize(path) != f.seek(0, os.SEEK_END):
-        f.seek(0)
-        return None
-    f.seek(0)
-    try:
-        proc = subprocess.run([_GREP, "-a", "-b", "-o", "-F", "-f", "-", path], capture_output=True,
-                              input=b"\n".join(sorted(words)), env={**os.environ, "LC_ALL": "C"})
-    except OSError:
-        return None
-    if proc.returncode not in (0, 1):
-        return None
-    return sorted(int(line.partition(b":")[0]) for line in proc.stdout.splitlines())
+def _hidden(found, words):
+    """The words that an occurrence of `found`, as `grep -o` reports it, may hide: itself, those inside it, and those
+    that start inside it (grep goes on from where a match ends, and reports the longest of those that start at one
+    place)."""
+    return {w for w in words if w in found or any(w.startswith(found[i:]) for i in range(len(found)) if found[i] == w[0])}
 
 
-def _holds(found, span):
-    """Whether grep's offsets `found` (None: no grep) fall in the chunk's `span`, or the chunk had colour codes
-    (grep read the raw bytes, where a code may sit inside a word)."""
-    import bisect
+def _name_found(match):
+    """The package name a match of the names' pattern holds, lowercased (the character after it left out)."""
+    return (match if match[-1:].isalpha() else match[:-1]).lower()
 
-    start, end, coloured = span
-    return found is None or coloured or bisect.bisect_left(found, start) < bisect.bisect_left(found, end)
+
+class _Grep:
+    """`grep -b -o` (bytes, C locale) for `words` over the log's file, run in the background while Python reads the
+    log: where each of them is (fixed strings; or package names, lowercase letters, where a version may follow).
+    One pass in C, where Python's own search goes over the log once per word."""
+
+    def __init__(self, f, words, names=False):
+        import subprocess
+        import tempfile
+
+        self.proc, self.found, self.fold = None, None, _name_found if names else bytes
+        self.words, self.hidden = {self.fold(w) for w in words}, {}
+        path = getattr(f, "name", None)
+        if not _GREP or not words or not isinstance(path, str) or not os.path.isfile(path) or \
+                os.path.getsize(path) != f.seek(0, os.SEEK_END):
+            return  # not a plain file read whole (a decoded copy, say): Python searches each chunk
+        self.out = tempfile.TemporaryFile()  # not a pipe: grep never waits for Python to read what it found
+        try:
+            # names: any case, then a character that is no part of a word or a path (_VERSION's condition, widened)
+            pattern = b"(" + b"|".join(sorted(words)) + b")([^A-Za-z0-9_/-]|$)" if names else b"\n".join(sorted(words))
+            self.proc = subprocess.Popen([_GREP, "-a", "-b", "-o", *(["-E", "-i"] if names else ["-F"]), "-f", "-",
+                                          path], stdin=subprocess.PIPE, stdout=self.out, stderr=subprocess.DEVNULL,
+                                         env={**os.environ, "LC_ALL": "C"})
+            self.proc.stdin.write(pattern)
+            self.proc.stdin.close()
+        except OSError:
+            self.close()
+
+    def _matches(self):
+        """(sorted offsets, the words found there) once grep is done, or None when it cannot tell (an error)."""
+        if self.found is None and self.proc is not None and self.proc.wait() in (0, 1):
+            self.out.seek(0)
+            pairs = sorted((int(at), self.fold(word)) for at, _, word in
+                           (line.partition(b":") for line in self.out.read().splitlines()))
+            self.found = [at for at, _ in pairs], [word for _, word in pairs]
+        return self.found
+
+    def words_in(self, span, among):
+        """The words of `among` that may be in the chunk at `span` (offset, end, colour codes in it): those grep
+        found there or that a match found there may hide; all of them where grep cannot tell, or where colour
+        codes are in the chunk (grep read the raw bytes, where a code may sit inside a word)."""
+        import bisect
+
+        found = self._matches()
+        if found is None or span[2]:
+            return set(among)
+        offsets, words = found
+        near = set(words[bisect.bisect_left(offsets, span[0]):bisect.bisect_left(offsets, span[1])])
+        for word in near - self.hidden.keys():
+            self.hidden[word] = _hidden(word, self.words)
+        possible = set().union(*(self.hidden[word] for word in near))
+        return {w for w in among if self.fold(w) in possible}
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if hasattr(self, "out"):
+            self.out.close()
+        self.proc = None
 
 
 _ANSI_BYTES = re.compile(_ANSI.pattern.encode())  # the same codes, in the raw bytes
@@ -643,41 +689,60 @@ def _runs(numbers):
 def skim(f, patches):
     """The log in the open binary file `f` (seekable) as a Sparse list of lines: the lines around every place a known
     bug's message may be, the lines the log-wide patterns of those bugs may match, and the lines that may print the
-    versions they depend on. Memory stays a few chunks; a log with no message word is read once, by plain search."""
+    versions they depend on. Memory stays a few chunks. Two greps run at once, beside Python's count of the lines:
+    one for the messages' words and every fixed text of the log-wide patterns, one for the packages' names (any
+    case); Python then searches only the chunks where they found something (all of them where there is no grep),
+    for what they found there."""
     plan = _plan(patches)
     if plan is None:  # a pattern with no fixed text: every line is read
-        text = f.read().decode("utf-8", errors="replace")
-        return clean_lines(text)
+        f.seek(0)
+        return clean_lines(f.read().decode("utf-8", errors="replace"))
     triggers, anywhere = plan
-    grepped = _grepped(f, {w.encode() for w in triggers})
-    hits, found, count = set(), set(), 0
-    for first, chunk, newlines, span in _chunks(f):
-        count = first + newlines + (not chunk.endswith(b"\n"))
-        if not _holds(grepped, span):
-            continue
-        for word, uses in triggers.items():
-            at = _message_lines(chunk, first, word.encode(), uses)
+    fixed = {w.encode() for w in triggers} | {t.encode() for texts in anywhere.values() for t in texts}
+    names = {n.lower().encode() for patch in patches for n in (patch.distribution, *patch.requires)}
+    greps = _Grep(f, fixed), _Grep(f, names, names=True)
+    try:
+        return _skimmed(f, triggers, anywhere, *greps)
+    finally:
+        for grep in greps:
+            grep.close()
+
+
+def _skimmed(f, triggers, anywhere, fixed, named):
+    import bisect
+
+    spans = list(_spans(f))
+    count = spans[-1][0] + spans[-1][1] if spans else 0
+    hits, found = set(), set()
+    for first, _, span in spans:
+        words = fixed.words_in(span, (w.encode() for w in triggers))
+        chunk = _read(f, span) if words else b""
+        for word in words:
+            at = _message_lines(chunk, first, word, triggers[word.decode()])
             if at:
                 hits |= at
-                found.add(word)
+                found.add(word.decode())
     if not hits:
         return Sparse(count, {})
     # a message's traceback reaches 4 * _BEFORE lines up, its wrapped lines _JOINED down
     around = set()
     for n in hits:
         around.update(range(max(0, n - 4 * _BEFORE - _JOINED), min(count, n + _AFTER + _JOINED + 1)))
+    around = sorted(around)
     candidates = [use for word in found for use in triggers[word]]
     texts = {t.encode() for _, signature, _ in candidates for t in anywhere[signature]}
     # the versions that can decide between them: those of their packages (and what their bugs also need)
-    names = {n.encode() for patch, _, _ in candidates for n in (patch.distribution, *patch.requires)}
+    names = {n.lower().encode() for patch, _, _ in candidates for n in (patch.distribution, *patch.requires)}
     kept = {}
-    grepped = _grepped(f, texts)
-    for first, chunk, newlines, span in _chunks(f):
-        last = first + newlines + (not chunk.endswith(b"\n"))
-        starts = _lines_holding(chunk, first, texts) if _holds(grepped, span) else {}
-        starts.update(_lines_holding(chunk, first, names, search=chunk.lower()))
-        _read_lines(chunk, first, starts, _runs(n for n in around if first <= n < last), kept)
-        around = {n for n in around if n >= last}
+    for first, lines, span in spans:
+        runs = _runs(around[bisect.bisect_left(around, first):bisect.bisect_left(around, first + lines)])
+        with_texts, with_names = fixed.words_in(span, texts), named.words_in(span, names)
+        if runs or with_texts or with_names:
+            chunk = _read(f, span)
+            starts = _lines_holding(chunk, first, with_texts)
+            if with_names:
+                starts.update(_lines_holding(chunk, first, with_names, search=chunk.lower()))
+            _read_lines(chunk, first, starts, runs, kept)
     lines = Sparse(count, kept)
     _join_debugger_lines(lines, [n for n in lines.numbers if n + 1 < count])
     return lines

@@ -121,11 +121,18 @@ def verify(patch_id, env, *extra):
     return json.loads(json.dumps(_verify_run(patch_id, env, *extra)[0]))  # a copy: callers may change it
 
 
-def _verify_run(patch_id, env, *extra):
-    key = (patch_id, tuple(sorted(env.items())), extra)
+def verify_patched(patch_id):
+    """(JSON, stderr) of the monkeypatch's proof run: dspatch.verify with DSPATCH naming the patch, in a run that
+    imports every target itself (dspatch.pth at start, the hook at import), as a user's job. Once per session:
+    test_proofs_fixes.py and a patch's own tests read the same run."""
+    return _verify_run(patch_id, clean_env(DSPATCH=patch_id), warm="base")
+
+
+def _verify_run(patch_id, env, *extra, warm="stack"):
+    key = (patch_id, tuple(sorted(env.items())), extra, warm)
     if key not in _verified:
         _verified[key] = _shared_between_workers(key, lambda: run_python(["-m", "dspatch.verify", patch_id, *extra],
-                                                                         env=env, warm="stack"))
+                                                                         env=env, warm=warm))
     return _verified[key]
 
 

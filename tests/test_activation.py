@@ -40,18 +40,18 @@ def test_set_installs_only_the_tiny_hook():
 @pytest.mark.stack
 @pytest.mark.machinery
 def test_first_target_import_loads_and_applies():
-    code = "import deepspeed; " + LOADED
-    loaded = json.loads(run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1])
+    # one interpreter, as a job starts: its import of deepspeed loads dspatch's runtime, applies, and says so once
+    code = ("import deepspeed, json, sys, dspatch._runtime as r; print(json.dumps([sorted(sys.modules), "
+            "str(r.state_of('deepspeed/zero3-module-id'))]))")
+    proc = run_python(["-c", code], env=clean_env(DSPATCH="1"))
+    loaded, state = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "dspatch._runtime" in loaded and "deepspeed" in loaded
     from packaging.version import Version
 
-    code = "import deepspeed, dspatch._runtime as r; print(r.state_of('deepspeed/zero3-module-id'))"
-    state = run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().splitlines()[-1]
     if Version(deepspeed_version()) <= Version("0.16.3"):
         assert state.startswith("('applied'"), state
     else:
         assert state.startswith("('fixed upstream'"), state
-    proc = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="1"))
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
     assert len(said) == 1 and said[0].startswith("dspatch: applied "), said  # quiet: one line for the import
 

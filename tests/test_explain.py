@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+from hypothesis import example, given, settings, strategies as st
 
 from dspatch import explain, registry
 from dspatch.spec import Signature
@@ -299,3 +300,33 @@ def test_weights_only_refusal_is_certain_only_with_a_frame_of_the_affected_loade
              'torch_checkpoint_engine.py", line 28, in load\n    partition = torch.load(path, map_location=map_location)\n')
     named, undecided, _ = explain.find(explain.clean_lines(frame + refusal), [patch])
     assert [n["patch"].id for n in named] == [patch.id] and named[0]["confidence"] == "certain" and not undecided
+
+
+@settings(max_examples=60, deadline=None)
+@given(parts=st.lists(st.sampled_from(["add_hooks", ", in add_hooks", "zero_to_fp32", "zero_to_fp32.py", "weight",
+                                       "stage3_gather_16bit_weights_on_model_save", "add_hook", "zero_to_fp3", "2.py",
+                                       "weigh", "t", "_", " ", "\n", "s"]), max_size=30))
+@example(parts=["add_hook", "stage3_gather_16bit_weights_on_model_save"])  # 'stage3_...' starts in 'add_hooks'
+@example(parts=["zero_to_fp32.py"])  # the longest of two that start at one place
+def test_every_place_of_every_word_is_one_grep_found_or_one_a_match_may_hide(parts, tmp_path_factory):
+    """The skim searches a chunk only for the words grep found there and those a match may hide (grep -o goes on
+    from where a match ends): every place of every word lies within a match whose hidden words include it."""
+    if not explain._GREP:
+        pytest.skip("no grep on this machine")
+    words = {b"add_hooks", b", in add_hooks", b"zero_to_fp32", b"zero_to_fp32.py", b"weight",
+             b"stage3_gather_16bit_weights_on_model_save"}
+    text = "".join(parts).encode()
+    path = tmp_path_factory.mktemp("grep") / "log"
+    path.write_bytes(text)
+    with open(path, "rb") as f:
+        grep = explain._Grep(f, words)
+        try:
+            offsets, found = grep._matches()
+        finally:
+            grep.close()
+    for word in words:
+        at = text.find(word)
+        while at >= 0:
+            assert any(o <= at < o + len(m) and word in explain._hidden(m, words) for o, m in zip(offsets, found)), \
+                (word, at, text, list(zip(offsets, found)))
+            at = text.find(word, at + 1)

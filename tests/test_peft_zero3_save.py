@@ -17,7 +17,7 @@ import pytest
 from dspatch import gating, registry
 from dspatch import upstream
 
-from conftest import clean_env, run_python, STACK, verify, verify_log, with_gather_fix
+from conftest import clean_env, run_python, STACK, verify, verify_log, verify_patched, with_gather_fix
 from dspatch import data_dir
 from packaging.version import Version
 from test_releases import RELEASES
@@ -87,13 +87,12 @@ def test_stock_log_carries_the_signature(stock):
 
 @affected
 def test_dspatch_env_saves_the_trained_adapter(stock):
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID), warm="base")
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    outcome, stderr = verify_patched(PID)  # test_proofs_fixes.py's run
     assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
-    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
+    said = [line for line in stderr.splitlines() if line.startswith("dspatch:") and PID in line]
     assert said == [f"dspatch: applied {PID} (transformers {_transformers_version()})"], said
     # the fallback (and its warning) is gone where the adapter is saved; it stays for the model without PEFT
-    assert 0 < len(_warnings(proc.stderr)) < len(_warnings(stock[1]))
+    assert 0 < len(_warnings(stderr)) < len(_warnings(stock[1]))
 
 
 def _accelerate_runs_two_cpu_ranks():

@@ -5,10 +5,11 @@ Real PPO training on CPU (accelerate + DeepSpeed, tiny Llama policy / reference 
 a tokenizer built in code, 2 PPO steps), then save and reload: stock fails exactly as trl issues 2885/2122 say
 (ZeRO-3 on transformers 4.x, every ZeRO stage on transformers 5.x); DSPATCH fixes it (every checkpoint at
 save_steps and save_model hold exactly the trained policy, gathered from the ZeRO-3 partitions, and load with
-from_pretrained; tokenizer saved); the upstream diff applied to a copy of the installed trl does the same with no
-monkeypatch; a 2-process ZeRO-3 job gathers on both ranks and writes on the main one only; without DeepSpeed,
-and in training itself, nothing changes (saved files and losses identical to stock). Leaving out the target and
-drifting it are proven by test_proofs.py.
+from_pretrained; tokenizer saved) and so does the upstream diff applied to a copy of the installed trl, with no
+monkeypatch (both proven by test_proofs_fixes.py and test_proofs_diffs.py, which the trl_tf5 session runs for this
+patch too); a 2-process ZeRO-3 job gathers on both ranks and writes on the main one only; without DeepSpeed, and in
+training itself, nothing changes (saved files and losses identical to stock). Leaving out the target and drifting it
+are proven by test_proofs.py.
 """
 import json
 import socket
@@ -18,7 +19,7 @@ import pytest
 from dspatch import gating, registry
 from dspatch import upstream
 
-from conftest import apply_upstream_diff, clean_env, run_python, run_ranks, STACK, verify
+from conftest import clean_env, run_python, run_ranks, STACK, verify
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from test_releases import RELEASES
@@ -76,26 +77,6 @@ def test_stock_upstream_reproduces_exactly():
     _applies_here()
     outcome = verify(PID, clean_env())
     assert outcome["applied"] == [] and outcome["results"] == _stock()
-
-
-def test_dspatch_env_fixes_saving():
-    _applies_here()
-    proc = run_python(["-m", "dspatch.verify", PID], env=clean_env(DSPATCH=PID), warm="base")
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert outcome["applied"] == [PID] and outcome["results"] == ALL_OK
-    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:") and PID in line]
-    assert len(said) == 1 and said[0].startswith("dspatch: applied ") and \
-        f"{PID} (trl {VERDICT.version})" in said[0], said
-
-
-def test_upstream_diff_applied_to_a_copy_fixes_it_without_dspatch(package_copy):
-    _applies_here()
-    site, _ = package_copy("trl")
-    apply_upstream_diff(PATCH, VERDICT.version, site)
-    # on transformers 4.x stock already saves correctly at ZeRO-2: the ZeRO-3 reproducer is the one to fix
-    only = [] if _transformers_major() >= 5 else ["--only", "zero3_save"]
-    outcome = verify(PID, clean_env(PYTHONPATH=site), *only)
-    assert outcome["applied"] == [] and outcome["results"] == {name: "ok" for name in (only[1:] or ALL_OK)}
 
 
 # Two processes (torchrun), ZeRO-3: every rank takes part in the gathers, only the main process writes. Each rank

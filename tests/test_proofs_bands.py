@@ -9,7 +9,7 @@ import pytest
 from dspatch import registry
 from dspatch import upstream
 
-from conftest import clean_env, run_python, verify
+from conftest import _succeeded, clean_env, last_json, run_python, verify
 from test_proofs import APPLICABLE
 
 pytestmark = pytest.mark.stack
@@ -108,12 +108,15 @@ def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, 
     site = root / "src" if (root / "src" / top).is_dir() else root
     # the first run writes the release's bytecode into the tree, the run after the diff compiles only what it changed
     env = {k: v for k, v in clean_env(PYTHONPATH=str(site)).items() if k != "PYTHONDONTWRITEBYTECODE"}
-    probe = run_python(["-c", f"import {top}"], env=env, check=False, warm="stack")
-    if probe.returncode:  # said in the skip reason: that band is proven by fingerprint and `git apply` only
-        pytest.skip(f"{patch.distribution} {version} cannot be imported with this stack's torch: "
-                    f"{probe.stderr.strip().splitlines()[-1][:200]}")
     name = patch.band_check
-    stock = verify(pid, env, "--only", name)
+    run = run_python(["-m", "dspatch.verify", pid, "--only", name], env=env, check=False, warm="stack")
+    if run.returncode:  # where the release cannot be imported here, that band is proven by fingerprint and `git apply`
+        probe = run_python(["-c", f"import {top}"], env=env, check=False, warm="stack")  # only (said in the skip)
+        if probe.returncode:
+            pytest.skip(f"{patch.distribution} {version} cannot be imported with this stack's torch: "
+                        f"{probe.stderr.strip().splitlines()[-1][:200]}")
+        _succeeded(["-m", "dspatch.verify", pid, "--only", name], run)  # it imports: the reproducer's own failure
+    stock = last_json(run)
     if "torch._C' has no attribute '_cuda" in stock["results"][name]:  # accelerate < 0.25 with DeepSpeed
         pytest.skip(f"{patch.distribution} {version} runs this reproducer on CUDA only (this torch is a CPU "
                     f"build): that band is proven by fingerprint and `git apply` only")

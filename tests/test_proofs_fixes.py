@@ -1,14 +1,12 @@
 """The proofs every patch owes (see test_proofs.py), the monkeypatch's: with DSPATCH naming the patch, every
 reproducer passes in a run that imports every target itself. (The upstream diff's: test_proofs_diffs.py. Split from
 test_proofs.py so that pytest-xdist's workers share the proofs: --dist loadfile keeps one file on one worker.)"""
-import json
-
 import pytest
 
 from dspatch import registry
 from dspatch import upstream
 
-from conftest import clean_env, run_python
+from conftest import verify_patched
 from test_proofs import APPLICABLE, _ids
 
 pytestmark = pytest.mark.stack
@@ -20,10 +18,9 @@ def test_the_monkeypatch_fixes_every_reproducer(pid):
         pytest.skip("no patch applies to this stack")
     patch = registry.all_patches()[pid]
     # in a run that imports every target itself (dspatch.pth at start, the hook at import), as a user's job
-    proc = run_python(["-m", "dspatch.verify", pid], env=clean_env(DSPATCH=pid), warm="base")
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    outcome, stderr = verify_patched(pid)
     assert outcome["applied"] == [pid] and outcome["results"] == dict.fromkeys(patch.scenarios, "ok"), outcome
-    said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
+    said = [line for line in stderr.splitlines() if line.startswith("dspatch:")]
     version = upstream.installed_version(patch.distribution)
     # one line per process (a reproducer that launches ranks adds its job's local rank 0); a reproducer may apply
     # another patch to get past that other bug: only "applied" lines, then

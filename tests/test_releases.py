@@ -74,6 +74,14 @@ def declared(patch, version, others):
     return gating.APPLIES
 
 
+def _audited(patch, version, others):
+    from dspatch import audit
+
+    pins = {patch.distribution: audit.Pin(patch.distribution, versions=[version])}
+    pins.update({name: audit.Pin(name, versions=[v]) for name, v in others.items()})
+    return audit.decide(patch, version, pins)
+
+
 def _with_bug(pid):
     return OTHERS.get(pid, ({}, {}))[0]
 
@@ -92,10 +100,15 @@ def test_verdict_of_every_release(pid, version):
     found = gating.evaluate(patch, version=version, locate=locate, others=with_bug)
     verdict, reason = found.verdict, found.reason
     assert verdict == expected, reason
+    # `dspatch audit` gives that release, pinned, the verdict its source gets here, without reading it, and says
+    # that its source was read where it applies
+    audited, why = _audited(patch, version, with_bug)
+    assert audited == verdict and (verdict != gating.APPLIES or "its released source is checked" in why), why
     if patch.requires:  # the other package decides too, and the reason says which version it saw
         found = gating.evaluate(patch, version=version, locate=locate, others=without)
         other_verdict, other_reason = found.verdict, found.reason
         assert other_verdict == declared(patch, version, without), other_reason
+        assert _audited(patch, version, without)[0] == other_verdict
         if expected == gating.APPLIES:
             for other, wanted in patch.requires.items():
                 assert f"the bug needs {other}{wanted}; {other} {without[other]} is installed" == other_reason

@@ -95,6 +95,48 @@ def sdist_versions(project, low, high):
     return [str(v) for v in sorted(set(found))]
 
 
+def released_versions(project):
+    """Every final release of `project` on the index (sdist or wheel, not yanked), oldest first."""
+    from packaging.version import InvalidVersion, Version
+
+    found = set()
+    for f in _index(project)["files"]:
+        name = f["filename"]
+        if f.get("yanked") or not name.endswith((".tar.gz", ".whl")):
+            continue
+        text = name[:-len(".tar.gz")].split("-", 1)[-1] if name.endswith(".tar.gz") else name.split("-")[1]
+        try:
+            v = Version(text)
+        except InvalidVersion:
+            continue
+        if not (v.is_prerelease or v.is_postrelease or v.local):
+            found.add(v)
+    return [str(v) for v in sorted(found)]
+
+
+def write_release_list(path):
+    """dspatch/releases.py: the releases `dspatch audit` knows, from the index (python tests/upstream_releases.py)."""
+    from dspatch.releases import RELEASES
+
+    lines = ['"""The final releases of each package dspatch knows of, oldest first: what `dspatch audit` reads a range',
+             "pin against (a release newer than the last listed is said to be unknown). Written by",
+             '`python tests/upstream_releases.py`; tests/test_audit.py checks it against the package index."""',
+             "RELEASES = {"]
+    for project in RELEASES:
+        versions = released_versions(project)
+        lines.append(f"    {project!r}: (")
+        line = "       "
+        for v in versions:
+            if len(line) + len(v) + 4 > 118:
+                lines.append(line)
+                line = "       "
+            line += f" {v!r},"
+        lines += [line, "    ),"]
+    lines.append("}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def sdist(project, version):
     """Path of the cached sdist, downloaded and verified on first use."""
     name = f"{project}-{version}.tar.gz"
@@ -294,9 +336,14 @@ def git_am(tree, diff, message):
 
 
 def main(argv):
+    """`python tests/upstream_releases.py PATCH_ID LOW HIGH`: each target's fingerprints over those releases (to
+    declare them); `python tests/upstream_releases.py --write-release-list`: dspatch/releases.py from the index."""
     import tempfile
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    if argv == ["--write-release-list"]:
+        return write_release_list(os.path.join(root, "dspatch", "releases.py"))
     from dspatch import registry
     from dspatch import upstream
 

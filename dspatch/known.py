@@ -1,0 +1,71 @@
+"""Known bugs of these packages that dspatch does not patch (yet): declared as data, with their ranges, the release
+that fixes them and what to do meanwhile, so that `dspatch check` (this environment) and `dspatch audit` (a lock or
+requirements file) name them where the versions have them. Facts: upstream's PRs and issues, each read against the
+released sources (UPSTREAM.md section 8 in the project's notes); the ranges are those of upstream's code, proven on
+CPU where the note says so.
+
+When a patch for one of them lands, its entry goes (tests/test_audit.py checks that no id is both).
+"""
+
+
+class Known:
+    """A known bug no patch fixes: `distribution` releases in `affected` (a PEP 440 specifier) have it, when the
+    other packages are in `requires` ({distribution: specifier}); `fixed_in` is the first release without it (None:
+    open upstream). `effect` says in a few words what it does to a run; `advice` what to do until upgrading."""
+
+    def __init__(self, id, distribution, affected, fixed_in, effect, advice, links, requires=None):
+        self.id, self.distribution, self.affected, self.fixed_in = id, distribution, affected, fixed_in
+        self.effect, self.advice, self.links, self.requires = effect, advice, tuple(links), dict(requires or {})
+
+    def __repr__(self):
+        return f"Known({self.id})"
+
+
+DS = "https://github.com/deepspeedai/DeepSpeed/pull/"
+
+KNOWN = (
+    Known("deepspeed/zero2-grad-accum-last-microbatch", "deepspeed", ">=0.17.6,<0.18.3", "0.18.3",
+          "ZeRO-2 + gradient accumulation: only the last micro-batch's gradient trains (silent)",
+          "upgrade deepspeed, or use ZeRO-1 or ZeRO-3 with accumulation", (DS + "7665",)),
+    Known("deepspeed/zero2-offload-grad-accum", "deepspeed", ">=0.15.2,<0.19.0", "0.19.0",
+          "ZeRO-2 + optimizer offloaded to the CPU + accumulation >= 3: only the first and last micro-batches train "
+          "(silent)", "upgrade deepspeed, or keep accumulation at 2 or less, or use ZeRO-1 (right on every release)",
+          (DS + "7967",)),
+    Known("deepspeed/zero0-bf16-grads", "deepspeed", ">=0.17.6,<0.18.6", "0.18.6",
+          "bf16 at ZeRO stage 0: gradients are never cleared between steps, and from 0.18.3 are 65536 times too "
+          "small (silent)", "upgrade deepspeed, or use ZeRO-1 with bf16", (DS + "7839",)),
+    Known("deepspeed/backward-scale-wrt-gas", "deepspeed", "==0.18.3", "0.18.4",
+          "engine.backward(loss, scale_wrt_gas=False) still divides by the accumulation steps: every Trainer run "
+          "with accumulation trains on gradients that many times too small (silent)",
+          "upgrade deepspeed (0.18.3 is the only release with it)", (DS + "7724",)),
+    Known("deepspeed/pipe-grad-accum-scale", "deepspeed", ">=0.16.0,<0.19.3", "0.19.3",
+          "pipeline parallelism (2+ stages) + accumulation: every stage's gradient is scaled wrongly (silent)",
+          "upgrade deepspeed", (DS + "8154",)),
+    Known("deepspeed/output-hooks-gas-per-tensor", "deepspeed", ">=0.18.3,<0.19.6", "0.19.6",
+          "`engine.backward(engine(**batch, labels=...).loss)` + accumulation: the gradient is divided by the "
+          "accumulation steps once per output tensor on the loss's graph (GA^2 with loss and logits; silent)",
+          "upgrade deepspeed, or return the loss alone from the forward", (DS + "8245",)),
+    Known("accelerate/deepspeed-ga-boundary", "accelerate", "<1.8.0", "1.8.0",
+          "accelerate + DeepSpeed with accumulation: DeepSpeed steps at its own count, so with a dataloader whose "
+          "length the accumulation does not divide the last partial window is never applied (silent)",
+          "upgrade accelerate, or make the dataloader's length a multiple of the accumulation steps",
+          ("https://github.com/huggingface/accelerate/pull/3630",), requires={"deepspeed": ">=0"}),
+    Known("deepspeed/zero3-moe-leaf-modules", "deepspeed", "<0.18.0", "0.18.0",
+          "ZeRO-3 + a sparse mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE): ranks whose tokens reach "
+          "different experts wait on each other for ever (a hang)",
+          "call deepspeed.utils.set_z3_leaf_modules(model, [the sparse MoE block class]) before initialize, or set "
+          "zero_optimization.leaf_module (0.18.0 does it for those three classes only)",
+          (DS + "7604",), requires={"transformers": ">=4.52"}),
+    Known("deepspeed/zero3-lora-mixed-dtype-allgather", "deepspeed", "==0.19.2", "0.19.3",
+          "ZeRO-3 + LoRA with fp32 adapters on a bf16 base: `TypeError: output tensor must have the same type as "
+          "input tensor` in the parameter all-gather", "upgrade deepspeed (0.19.2 is the only release with it)",
+          (DS + "8073", DS + "8128")),
+    Known("deepspeed/zero3-allreduce-fetch-padding", "deepspeed", "<0.19.4", "0.19.4",
+          "`stage3_use_all_reduce_for_fetch_params: true` with 2+ ranks: one weight's padding is summed into the "
+          "next (inf, then NaN); on 0.16.3-0.17.2 the option fails at once (`handle_dependency`)",
+          "keep the option off (its default)", (DS + "8158", DS + "7414")),
+    Known("deepspeed/lr-schedules-multigroup", "deepspeed", "<0.19.4", "0.19.4",
+          "DeepSpeed's WarmupLR / WarmupCosineLR with param groups of different learning rates: the groups get "
+          "wrong rates (silent)", "upgrade deepspeed, or build the scheduler in torch and pass it to initialize",
+          (DS + "8171", DS + "7969", DS + "7360")),
+)
