@@ -139,9 +139,9 @@ def trl_tf5(session):
     and the monkeypatch's and the diff's proofs every patch owes."""
     install_once(session, TORCH)
     install_once(session, *TRL_TF5)
-    install_dspatch(session, "wrapt>=2.5", "packaging", "pytest")
+    install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
     tests = ["tests/test_ppo_deepspeed_save.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
-    session.run("pytest", "-m", "not unit_only", *tests, "-k", "ppo", *session.posargs,
+    session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", "ppo", *session.posargs,
                 env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 

@@ -362,7 +362,7 @@ def audit(pins):
     for known in KNOWN:
         pin = pins.get(canonical(known.distribution))
         releases = pin.releases() if pin else []
-        having = [v for v in releases if has_bug(known, v, pins)]
+        having = [v for v in releases if has_bug(known, v, pins)]  # (Known.has, with the pins' ranges)
         if having:
             notes = _others(known, pins)[1]
             unpatched.append({"id": known.id, "distribution": known.distribution, "pin": pin.text,
@@ -407,16 +407,22 @@ def upgrade(pins):
             own = [i for i in clearable if canonical(i.distribution) == name]
             needing = [i for i in clearable if name in map(canonical, i.requires)]  # another package's bugs
             before = {i.id for i in bugs(state, needing)}
+            best = None  # the lowest release with the fewest of its own bugs (none, where one clears them all)
             for candidate in newer(state, name):
                 trial = {**state, name: Pin(name, versions=[candidate])}
-                if not bugs(trial, own) and {i.id for i in bugs(trial, needing)} <= before:
-                    state[name], changed = trial[name], changed or candidate != release(state, name)
-                    break
+                if {i.id for i in bugs(trial, needing)} <= before:
+                    count = len(bugs(trial, own))
+                    if best is None or count < best[0]:
+                        best = (count, candidate)
+                    if not count:
+                        break
+            if best and best[1] != release(state, name):
+                state[name], changed = Pin(name, versions=[best[1]]), True
         if not changed:
             break
     moves = {name: [release(pins, name), release(state, name)] for name in exact
              if release(state, name) != release(pins, name)}
-    left = sorted(i.id for i in bugs(state, clearable))  # where the packages' bugs keep each other in
+    left = sorted(i.id for i in bugs(state, clearable))  # no release of their package is free of all of them
     return {"per_bug": per_bug, "to": moves, "open": sorted(open_ids), "not_cleared": left,
             "ranges_not_considered": ranged}
 
@@ -468,7 +474,7 @@ def _print(report, pins, sources, verbose):
             out += ["  the smallest upgrade that clears all of those without dspatch: " +
                     ", ".join(f"{n} {a} -> {b}" for n, (a, b) in sorted(up["to"].items()))]
         if up["not_cleared"]:
-            out += [f"  no set of releases clears these together: {', '.join(up['not_cleared'])}"]
+            out += [f"  no release of their package is free of all of these at once: {', '.join(up['not_cleared'])}"]
         if up["open"]:
             out += [f"  no release clears these yet: {', '.join(up['open'])}"]
     else:

@@ -77,6 +77,7 @@ def check(args):
                 ok, summary, outcome = _verify(row.patch, progress=lambda m: print(m, file=sys.stderr, flush=True))
                 verified[row.patch.id] = {"ok": ok, "summary": summary, "scenarios": outcome}
                 status = status or (0 if ok else 1)
+    unpatched = _known_here()
     if args.json:
         out = {"dspatch": dspatch.__version__, "environment": shown, "state": state, "patches": []}
         for row in rows:
@@ -84,6 +85,9 @@ def check(args):
             if row.patch.id in verified:
                 d["verify"] = verified[row.patch.id]
             out["patches"].append(d)
+        out["unpatched"] = [{"id": k.id, "distribution": k.distribution, "version": v, "effect": k.effect,
+                             "affected": k.affected, "fixed_in": k.fixed_in, "advice": k.advice,
+                             "links": list(k.links)} for k, v in unpatched]
         import json
 
         print(json.dumps(out, indent=2))
@@ -118,9 +122,23 @@ def check(args):
             for name in dict.fromkeys([*stock, *patched]):  # what each reproducer saw, in the bug's own words
                 seen = stock.get(name, "not run").split("\n")[0]
                 print(f"    {name}: stock: {seen[:160]}; patched: {patched.get(name, 'not run').split(chr(10))[0][:160]}")
+    if unpatched:
+        print(f"\nKnown bugs of these releases that dspatch does not patch ({len(unpatched)}):")
+        for known, version in unpatched:
+            fix = f"fixed in {known.fixed_in}" if known.fixed_in else "open upstream"
+            print(f"  {known.id} ({known.distribution}=={version}): {known.effect}; {fix}; meanwhile: {known.advice}")
     if not args.verbose:
         print("(-v: each patch's summary, full reason, notes and links; --json: everything)")
     return status
+
+
+def _known_here():
+    """[(Known, installed version)] of the known bugs no patch fixes that the installed releases have."""
+    from dspatch.known import KNOWN, present
+
+    names = {n for k in KNOWN for n in (k.distribution, *k.requires)}
+    installed = {n: gating.installed_version(n) for n in names}
+    return [(k, installed[k.distribution]) for k in present(installed)]
 
 
 def _only_source(args):

@@ -13,9 +13,25 @@ class Known:
     other packages are in `requires` ({distribution: specifier}); `fixed_in` is the first release without it (None:
     open upstream). `effect` says in a few words what it does to a run; `advice` what to do until upgrading."""
 
-    def __init__(self, id, distribution, affected, fixed_in, effect, advice, links, requires=None):
+    def __init__(self, id, distribution, affected, fixed_in, effect, advice, links, requires=None, note=""):
         self.id, self.distribution, self.affected, self.fixed_in = id, distribution, affected, fixed_in
         self.effect, self.advice, self.links, self.requires = effect, advice, tuple(links), dict(requires or {})
+        self.note = note  # how it was seen here, where it was
+
+    def has(self, version, others):
+        """Whether release `version` has it, by the numbers, with the other packages at `others` {distribution:
+        version, or None where absent: then the bug cannot happen}."""
+        from dspatch.versions import InvalidVersion, SpecifierSet, Version
+
+        try:
+            release = Version(Version(version).base_version)
+            if self.fixed_in and release >= Version(self.fixed_in):
+                return False
+            return SpecifierSet(self.affected).contains(release) and all(
+                others.get(other) is not None and SpecifierSet(wanted).contains(Version(others[other]).base_version)
+                for other, wanted in self.requires.items())
+        except InvalidVersion:  # a version that is no release: cannot tell
+            return False
 
     def __repr__(self):
         return f"Known({self.id})"
@@ -63,9 +79,16 @@ KNOWN = (
     Known("deepspeed/zero3-allreduce-fetch-padding", "deepspeed", "<0.19.4", "0.19.4",
           "`stage3_use_all_reduce_for_fetch_params: true` with 2+ ranks: one weight's padding is summed into the "
           "next (inf, then NaN); on 0.16.3-0.17.2 the option fails at once (`handle_dependency`)",
-          "keep the option off (its default)", (DS + "8158", DS + "7414")),
+          "keep the option off (its default)", (DS + "8158", DS + "7414"),
+          note="Reproduced here on 0.14.4 with 2 CPU ranks: the loss is inf at the second step, then NaN; with the "
+               "one line fixed, the job matches the default all-gather fetch bit for bit."),
     Known("deepspeed/lr-schedules-multigroup", "deepspeed", "<0.19.4", "0.19.4",
           "DeepSpeed's WarmupLR / WarmupCosineLR with param groups of different learning rates: the groups get "
           "wrong rates (silent)", "upgrade deepspeed, or build the scheduler in torch and pass it to initialize",
           (DS + "8171", DS + "7969", DS + "7360")),
 )
+
+
+def present(installed):
+    """The known bugs of the releases in `installed` {distribution: version, or None where absent}."""
+    return [k for k in KNOWN if installed.get(k.distribution) and k.has(installed[k.distribution], installed)]

@@ -193,6 +193,13 @@ def test_the_smallest_upgrade_clears_every_bug_it_can_and_nothing_less_does():
 
 
 @pytest.mark.unit_only
+def test_where_no_release_is_free_of_every_bug_the_upgrade_leaves_the_fewest():
+    up = audit.audit(audit.read_pins(pins_text="trl==0.15.2 deepspeed==0.16.9"))["upgrade"]
+    # trl < 1.13.0 has its PPO save bug, trl >= 1.9.0 its precomputed-reference one: 0.17.0 leaves only the first
+    assert up["to"]["trl"] == ["0.15.2", "0.17.0"] and up["not_cleared"] == ["trl/ppo-deepspeed-save"]
+
+
+@pytest.mark.unit_only
 @pytest.mark.parametrize("text, where, why", [
     ("deepspeed==0.16.x\n", "requirements.txt:1", "not a version specifier"),
     ("deepspeed==0.16.9\n--no-such-option\n", "requirements.txt:2", "unknown option '--no-such-option'"),
@@ -247,7 +254,8 @@ def test_the_release_list_is_the_index_up_to_its_last_release():
 
 @pytest.mark.stack
 def test_the_installed_stacks_freeze_gets_checks_verdicts(tmp_path):
-    """`pip freeze` of this stack, audited: each patch's verdict is the one `dspatch check` gives here."""
+    """`pip freeze` of this stack, audited: each patch's verdict is the one `dspatch check` gives here, and the known
+    bugs without a patch are those check lists here."""
     freeze = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True)
     (tmp_path / "freeze.txt").write_text(freeze.stdout)
     report, _ = _json(tmp_path / "freeze.txt")
@@ -256,3 +264,5 @@ def test_the_installed_stacks_freeze_gets_checks_verdicts(tmp_path):
     audited = {row["id"]: row["verdict"] for row in report["patches"]}
     assert audited == {pid: audit.NOT_PINNED if v == gating.NOT_INSTALLED else v for pid, v in checked.items()}
     assert gating.APPLIES in audited.values()
+    # the known bugs no patch fixes: check names those of this environment, audit those of its freeze
+    assert [k["id"] for k in check["unpatched"]] == [k["id"] for k in report["unpatched"]]

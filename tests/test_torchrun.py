@@ -68,7 +68,10 @@ def test_the_main_job(tmp_path):
 def test_reproducer_ranks_forked_by_default_and_from_torchrun_on_request():
     """--verify's multi-rank reproducers fork their ranks from the reproducer's process (dspatch.scenario.launch_ranks)
     where nothing there differs from a fresh rank; with DSPATCH_RANKS=torchrun they are torchrun's fresh
-    interpreters, as before: that way too, stock shows the bug and the patch fixes it."""
+    interpreters, as before: that way too, stock shows the bug, so the forked ranks' failure is no artifact of the
+    fork. (That the patch fixes it there: in fresh ranks the patch applies at import as in any torchrun job, which
+    test_two_ranks_patched_equal_stock_bit_for_bit checks on every stack; the fix itself, test_proofs_fixes.py. The
+    fixed run through torchrun cost 30 s of CI here.)"""
     import inspect
 
     from dspatch import registry
@@ -87,5 +90,3 @@ def test_reproducer_ranks_forked_by_default_and_from_torchrun_on_request():
     name, expected = next(iter(patch.expected_on_stock.items()))
     stock = verify(patch.id, clean_env(DSPATCH_RANKS="torchrun"), "--only", name)
     assert expected in stock["results"][name], stock
-    fixed = verify(patch.id, clean_env(DSPATCH=patch.id, DSPATCH_RANKS="torchrun"), "--only", name)
-    assert fixed["results"] == {name: "ok"}, fixed

@@ -490,16 +490,36 @@ def test_a_rename_covers_every_function_that_touches_the_attribute(pid):
         if not SpecifierSet(patch.affected).contains(version) or not (
                 not patch.supported or SpecifierSet(patch.supported).contains(version)):
             continue
-        touching = set()
-        with tarfile.open(sdist(patch.distribution, version)) as tar:
-            for member in tar.getmembers():
-                relative = member.name.split("/", 1)[-1]
-                if not (member.isfile() and relative.startswith(top + "/") and relative.endswith(".py")):
-                    continue
-                with tar.extractfile(member) as f:
-                    try:
-                        tree = ast.parse(f.read())
-                    except SyntaxError:
-                        continue
-                touching |= {f"{relative}:{q}" for q in _functions_touching(tree, attribute)}
+        touching = _touching(sdist(patch.distribution, version), top, attribute)
         assert touching - set(exempt) == targets, (version, sorted(touching ^ (targets | set(exempt))))
+
+
+def _touching(archive, top, attribute):
+    """{"path:qualname"} of the functions of the release's package that touch `.<attribute>`: read from the sdist
+    once per machine (~3 s a release), then from the release cache, keyed by the sdist and by this code."""
+    import hashlib
+    import inspect
+    import json
+
+    from upstream_releases import CACHE, _store
+
+    code = inspect.getsource(_touching) + inspect.getsource(_functions_touching)
+    key = hashlib.sha256(f"{os.path.basename(archive)} {os.path.getsize(archive)} {top} {attribute} {code}".encode())
+    path = os.path.join(CACHE, "analysis", key.hexdigest()[:24] + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return set(json.load(f))
+    touching = set()
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            relative = member.name.split("/", 1)[-1]
+            if not (member.isfile() and relative.startswith(top + "/") and relative.endswith(".py")):
+                continue
+            with tar.extractfile(member) as f:
+                try:
+                    tree = ast.parse(f.read())
+                except SyntaxError:
+                    continue
+            touching |= {f"{relative}:{q}" for q in _functions_touching(tree, attribute)}
+    _store(path, json.dumps(sorted(touching)).encode())
+    return touching

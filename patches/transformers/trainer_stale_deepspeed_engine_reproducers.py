@@ -102,12 +102,23 @@ def _same(got, want, what):
         raise AssertionError(f"{what}: weights differ from one train() alone: {changed[:3]}")
 
 
+_alone = {}
+
+
+def one_train_alone(stage):
+    """A fresh Trainer's single train() at `stage` from the default weights: what both ZeRO-3 scenarios compare
+    with, trained once per process (the same numbers each time: its engine is not the process's first)."""
+    if stage not in _alone:
+        _alone[stage] = train(trainer(stage), stage)
+    return _alone[stage]
+
+
 def evaluate_then_train_zero3():
     """ZeRO-3, trainer.evaluate() then trainer.train(): the evaluation's metrics are those of the same Trainer without
     DeepSpeed, and the training equals one train() alone: losses, learning rates, weights, optimizer, scheduler."""
     # first, before any TrainingArguments with DeepSpeed sets ACCELERATE_USE_DEEPSPEED for this process
     plain = trainer(None).evaluate()["eval_loss"]
-    want = train(trainer(3), 3)
+    want = one_train_alone(3)
     subject = trainer(3)
     loss = subject.evaluate()["eval_loss"]
     if abs(loss - plain) > 1e-6 * abs(plain):  # the same weights, gathered, in the same forward
@@ -120,7 +131,7 @@ def predict_then_train_zero3():
     trainer.train(): the training equals one train() alone."""
     from dspatch.scenario import lm_rows
 
-    want = train(trainer(3), 3)
+    want = one_train_alone(3)
     subject = trainer(3, legacy=True)
     # no labels: 4.44-4.46's legacy loop fails on its own computing a loss (`loss.repeat(None)` under accelerate)
     subject.predict([{"input_ids": row["input_ids"]} for row in lm_rows(8, 12, seed=4)])
