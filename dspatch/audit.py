@@ -260,7 +260,7 @@ def _names(text, version):
 def _others(item, pins):
     """({distribution: a release for gating, of those the pins admit: one the bug needs where there is one}, notes,
     whether the pins rule the bug out) for the packages the bug also needs."""
-    others, notes, out = {}, [], False
+    others, notes, ruled_out = {}, [], False
     for other, wanted in item.requires.items():
         pin = pins.get(canonical(other))
         if pin is None:
@@ -271,9 +271,9 @@ def _others(item, pins):
         having = [r for r in releases if _contains(wanted, r)]
         if having and len(having) < len(releases):
             notes.append(f"with {other} {_span(having)} of those {other}{pin.text} admits")
-        out = out or bool(releases and not having)
+        ruled_out = ruled_out or bool(releases and not having)
         others[other] = having[0] if having else releases[0] if releases else "unpinned"
-    return others, notes, out
+    return others, notes, ruled_out
 
 
 def _contains(spec, version):
