@@ -59,7 +59,11 @@ class Pin:
         return [v for v in RELEASES.get(self.name, ()) if spec.contains(v)]
 
     def merged(self, other):
-        """Both pins at once (a requirements file and its constraints): exact versions win, ranges add up."""
+        """Both pins at once (a requirements file and its constraints): exact versions win, ranges add up; two
+        different exact versions cannot both hold (pip would refuse them too)."""
+        if self.versions and other.versions and self.versions != other.versions:
+            raise Unreadable(f"{other.where}: {self.name}{other.text} conflicts with {self.name}{self.text} "
+                             f"({self.where})")
         if self.versions or other.versions:
             exact = self if self.versions else other
             return Pin(self.name, versions=exact.versions, where=exact.where)
@@ -74,6 +78,9 @@ _NAME = re.compile(r"\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)\s*(\[[^\]]*
 _IGNORED = ("-i", "--index-url", "--extra-index-url", "-f", "--find-links", "--trusted-host", "--no-binary",
             "--only-binary", "--use-feature", "--hash", "--config-settings", "-C", "--global-option")
 _IGNORED_FLAGS = ("--pre", "--prefer-binary", "--require-hashes", "--no-index")
+# what pip installs from a location given alone: a URL (git+https://..., https://.../x.whl), a path (./pkg, /x, ~/x),
+# an archive or wheel file
+_BARE_LOCATION = re.compile(r"^(?:[a-z][a-z0-9+.-]*://|[./~]|[A-Za-z]:[\\/])|\.(?:whl|zip|tar\.gz|tgz|tar\.bz2)$")
 
 
 def _marker_holds(marker, where):
@@ -106,6 +113,8 @@ def requirement(text, where):
     if rest.startswith("@"):  # a direct reference (a URL, a path): no release number to judge
         return Pin(name, where=where)
     spec = rest.strip("()").replace(" ", "")
+    if spec.startswith("===") and "," not in spec:  # arbitrary equality: that exact string
+        return Pin(name, versions=[spec[3:]], where=where)
     parts = [p for p in spec.split(",") if p]
     for part in parts:
         try:
@@ -149,8 +158,8 @@ def _requirements(text, name, pins, seen):
                 raise Unreadable(f"{where}: {first} names no file")
             _read_file(os.path.join(folder, target), pins, seen, where)
             continue
-        if first in ("-e", "--editable") or first.startswith("--editable="):
-            continue  # a checkout of something: not a release
+        if first in ("-e", "--editable") or first.startswith("--editable=") or _BARE_LOCATION.match(first):
+            continue  # a checkout, a URL or a path of something: not a release
         if first.startswith("-"):
             option = first.split("=", 1)[0]
             if option in _IGNORED or option in _IGNORED_FLAGS:
@@ -211,7 +220,9 @@ def _read_file(path, pins, seen, where=None):
                 text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise Unreadable(f"{where + ': ' if where else ''}{path}: cannot read: {e}") from None
-    if path.endswith((".lock", ".toml")):  # uv.lock, poetry.lock, pylock.toml, pylock.NAME.toml
+    base = os.path.basename(path)
+    if base in ("uv.lock", "poetry.lock") or (base.startswith("pylock.") and base.endswith(".toml")) or \
+            (path == "-" and re.match(r"\s*(#.*\n\s*)*(\[\[packages?\]\]|lock-version\s*=|version\s*=)", text)):
         _lock(_toml(text, path), path, pins)
     else:
         _requirements(text, path, pins, seen)
@@ -223,10 +234,10 @@ def read_pins(paths=(), pins_text=""):
     pins, seen = {}, set()
     for path in paths:
         _read_file(path, pins, seen)
-    for number, text in enumerate(pins_text.split(), 1):
+    for number, text in enumerate(pins_text.split(), 1):  # a "what if": they replace what the files say
         found = requirement(text, f"--pins item {number}")
         if found:
-            pins[found.name] = pins[found.name].merged(found) if found.name in pins else found
+            pins[found.name] = found
     return pins
 
 
@@ -333,7 +344,7 @@ def _judge(verdicts, pin):
             return verdict, verdicts[releases[0]][1]
         return verdict, (f"every release {pin.name}{pin.text} admits ({_span(releases)}): {verdict}; "
                          f"{releases[-1]}: {verdicts[releases[-1]][1]}")
-    buggy = next((v for v in (gating.APPLIES, PRESENT, gating.UNSUPPORTED) if v in kinds), None)
+    buggy = next((v for v in (gating.UNSUPPORTED, PRESENT, gating.APPLIES) if v in kinds), None)  # worst first
     parts = "; ".join(f"{_span(r)}: {v}" for v, r in kinds.items())
     return buggy or next(iter(kinds)), f"of the releases {pin.name}{pin.text} admits, {parts}"
 
@@ -422,9 +433,11 @@ def upgrade(pins):
             break
     moves = {name: [release(pins, name), release(state, name)] for name in exact
              if release(state, name) != release(pins, name)}
-    left = sorted(i.id for i in bugs(state, clearable))  # no release of their package is free of all of them
+    final = {i.id for i in bugs(state, items)}
+    left = sorted(final & set(per_bug) - open_ids)  # no release of their package is free of all of them at once
+    introduced = sorted(final - set(per_bug))  # bugs the upgraded releases have that the pins do not
     return {"per_bug": per_bug, "to": moves, "open": sorted(open_ids), "not_cleared": left,
-            "ranges_not_considered": ranged}
+            "introduced": introduced, "ranges_not_considered": ranged}
 
 
 # ---- output -------------------------------------------------------------------------------------------------------
@@ -471,10 +484,12 @@ def _print(report, pins, sources, verbose):
         out += [f"  {bug.split('/')[0]} {first} clears {bug}" for bug, first in
                 sorted(fixed.items(), key=lambda item: (item[0].split("/")[0], Version(item[1])))]
         if up["to"]:
-            out += ["  the smallest upgrade that clears all of those without dspatch: " +
+            out += ["  the smallest upgrade that clears them without dspatch: " +
                     ", ".join(f"{n} {a} -> {b}" for n, (a, b) in sorted(up["to"].items()))]
         if up["not_cleared"]:
-            out += [f"  no release of their package is free of all of these at once: {', '.join(up['not_cleared'])}"]
+            out += [f"  it leaves (no release of their package is free of all at once): {', '.join(up['not_cleared'])}"]
+        if up["introduced"]:
+            out += [f"  it brings in (the pins do not have them): {', '.join(up['introduced'])}"]
         if up["open"]:
             out += [f"  no release clears these yet: {', '.join(up['open'])}"]
     else:

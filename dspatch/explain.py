@@ -515,17 +515,18 @@ def _message_lines(chunk, first, word, uses):
     return {n + k for n in _numbered(chunk, first, found) for k in range(_JOINED + 1)}
 
 
-def _spans(f):
-    """(first line number, lines, (offset, end, whether colour codes are in it)) of the log's chunks: _CHUNK bytes
-    or so of whole lines at a time (the last line may lack its newline), read once to count lines."""
+def _spans(f, size):
+    """(first line number, lines, (offset, end, whether colour codes are in it)) of the log's first `size` bytes, in
+    chunks: _CHUNK bytes or so of whole lines at a time (the last line may lack its newline), read once to count
+    lines."""
     line, offset = 0, 0
     f.seek(0)
-    while True:
-        block = f.read(_CHUNK)
+    while offset < size:
+        block = f.read(min(_CHUNK, size - offset))
         if not block:
             return
-        if not block.endswith(b"\n"):
-            block += f.readline()  # the rest of its last line
+        if not block.endswith(b"\n") and offset + len(block) < size:
+            block += f.readline(size - offset - len(block))  # the rest of its last line
         lines = block.count(b"\n") + (not block.endswith(b"\n"))
         yield line, lines, (offset, offset + len(block), b"\x1b" in block)
         line += lines
@@ -568,13 +569,14 @@ class _Grep:
         if not _GREP or not words or not isinstance(path, str) or not os.path.isfile(path) or \
                 os.path.getsize(path) != f.seek(0, os.SEEK_END):
             return  # not a plain file read whole (a decoded copy, say): Python searches each chunk
-        self.out = tempfile.TemporaryFile()  # not a pipe: grep never waits for Python to read what it found
         try:
+            self.out = tempfile.TemporaryFile()  # not a pipe: grep never waits for Python to read what it found
             # names: any case, then a character that is no part of a word or a path (_VERSION's condition, widened)
             pattern = b"(" + b"|".join(sorted(words)) + b")([^A-Za-z0-9_/-]|$)" if names else b"\n".join(sorted(words))
-            self.proc = subprocess.Popen([_GREP, "-a", "-b", "-o", *(["-E", "-i"] if names else ["-F"]), "-f", "-",
-                                          path], stdin=subprocess.PIPE, stdout=self.out, stderr=subprocess.DEVNULL,
-                                         env={**os.environ, "LC_ALL": "C"})
+            env = {k: v for k, v in os.environ.items() if not k.startswith("GREP_")}  # no GREP_OPTIONS, colours
+            self.proc = subprocess.Popen([_GREP, "-a", "-b", "-o", "--color=never", *(["-E", "-i"] if names else ["-F"]),
+                                          "-f", "-", path], stdin=subprocess.PIPE, stdout=self.out,
+                                         stderr=subprocess.DEVNULL, env={**env, "LC_ALL": "C"})
             self.proc.stdin.write(pattern)
             self.proc.stdin.close()
         except OSError:
@@ -584,8 +586,12 @@ class _Grep:
         """(sorted offsets, the words found there) once grep is done, or None when it cannot tell (an error)."""
         if self.found is None and self.proc is not None and self.proc.wait() in (0, 1):
             self.out.seek(0)
-            pairs = sorted((int(at), self.fold(word)) for at, _, word in
-                           (line.partition(b":") for line in self.out.read().splitlines()))
+            try:
+                pairs = sorted((int(at), self.fold(word)) for at, _, word in
+                               (line.partition(b":") for line in self.out.read().splitlines()))
+            except ValueError:  # not grep's `offset:match` lines: it cannot tell
+                self.proc = None
+                return None
             self.found = [at for at, _ in pairs], [word for _, word in pairs]
         return self.found
 
@@ -700,18 +706,21 @@ def skim(f, patches):
     triggers, anywhere = plan
     fixed = {w.encode() for w in triggers} | {t.encode() for texts in anywhere.values() for t in texts}
     names = {n.lower().encode() for patch in patches for n in (patch.distribution, *patch.requires)}
-    greps = _Grep(f, fixed), _Grep(f, names, names=True)
+    size = f.seek(0, os.SEEK_END)  # what grep reads: lines a job appends meanwhile are for the next reading
+    greps = []
     try:
-        return _skimmed(f, triggers, anywhere, *greps)
+        greps.append(_Grep(f, fixed))
+        greps.append(_Grep(f, names, names=True))
+        return _skimmed(f, triggers, anywhere, *greps, size)
     finally:
         for grep in greps:
             grep.close()
 
 
-def _skimmed(f, triggers, anywhere, fixed, named):
+def _skimmed(f, triggers, anywhere, fixed, named, size):
     import bisect
 
-    spans = list(_spans(f))
+    spans = list(_spans(f, size))
     count = spans[-1][0] + spans[-1][1] if spans else 0
     hits, found = set(), set()
     for first, _, span in spans:

@@ -129,7 +129,9 @@ def test_requirements_files_as_pip_reads_them(tmp_path):
     (tmp_path / "requirements.txt").write_text(
         "# training image\n-r base.txt\n--constraint constraints.txt\n--extra-index-url https://example.invalid/\n"
         "deepspeed>=0.16\naccelerate==1.8.1 ; python_version >= '3'\ntrl==0.8.6 ; python_version < '3'\n"
-        "trl==0.15.2\npeft @ https://example.invalid/peft-0.14.0.tar.gz\n-e ./local-package\nTorch == 2.6.0\n")
+        "trl==0.15.2\npeft @ https://example.invalid/peft-0.14.0.tar.gz\n-e ./local-package\nTorch == 2.6.0\n"
+        "git+https://example.invalid/tool.git\n./vendored/pkg\nhttps://example.invalid/x-1.0-py3-none-any.whl\n"
+        "deepspeed===0.16.9\n")
     pins = audit.read_pins([str(tmp_path / "requirements.txt")])
     assert {n: (p.spec, p.versions) for n, p in pins.items()} == {
         "transformers": ("", ["4.46.3"]), "deepspeed": ("", ["0.16.9"]), "accelerate": ("", ["1.8.1"]),
@@ -197,6 +199,20 @@ def test_where_no_release_is_free_of_every_bug_the_upgrade_leaves_the_fewest():
     up = audit.audit(audit.read_pins(pins_text="trl==0.15.2 deepspeed==0.16.9"))["upgrade"]
     # trl < 1.13.0 has its PPO save bug, trl >= 1.9.0 its precomputed-reference one: 0.17.0 leaves only the first
     assert up["to"]["trl"] == ["0.15.2", "0.17.0"] and up["not_cleared"] == ["trl/ppo-deepspeed-save"]
+    # a bug the upgraded release has and the pin does not is said as brought in, not as one left
+    up = audit.audit(audit.read_pins(pins_text="transformers==4.40.0"))["upgrade"]
+    assert up["introduced"] == ["transformers/trainer-stale-deepspeed-engine"] and not up["not_cleared"], up
+
+
+@pytest.mark.unit_only
+def test_a_range_with_a_release_no_patch_fixes_exits_1_and_pins_given_inline_replace_the_files(tmp_path):
+    assert run_python(["-m", "dspatch.audit", "--pins", "transformers>=4.40,<4.45"], check=False).returncode == 1
+    rows = {r["id"]: r for r in audit.audit(audit.read_pins(pins_text="transformers>=4.40,<4.45"))["patches"]}
+    scheduler = rows["transformers/trainer-scheduler-after-deepspeed"]  # written for 4.44 on: 4.40-4.43 unsupported
+    assert scheduler["verdict"] == gating.UNSUPPORTED and "4.44.0-4.44.2: applies" in scheduler["reason"], scheduler
+    (tmp_path / "requirements.txt").write_text("deepspeed==0.16.9\n")
+    pins = audit.read_pins([str(tmp_path / "requirements.txt")], "deepspeed==0.19.8")
+    assert pins["deepspeed"].versions == ["0.19.8"]
 
 
 @pytest.mark.unit_only
@@ -206,6 +222,7 @@ def test_where_no_release_is_free_of_every_bug_the_upgrade_leaves_the_fewest():
     ("-r missing.txt\n", "requirements.txt:1", "cannot read"),
     ("!!!\n", "requirements.txt:1", "not a requirement"),
     ("trl==1.0 ; python_version >>> '3'\n", "requirements.txt:1", "invalid environment marker"),
+    ("deepspeed==0.16.9\ndeepspeed==0.16.8\n", "requirements.txt:2", "conflicts with deepspeed==0.16.9"),
 ])
 def test_malformed_requirements_say_which_line_and_why(text, where, why, tmp_path):
     (tmp_path / "requirements.txt").write_text(text)
