@@ -23,7 +23,7 @@ import re
 import sys
 
 from dspatch import gating, registry
-from dspatch.known import KNOWN
+from dspatch.known import KNOWN, in_range
 from dspatch.releases import RELEASES
 from dspatch.versions import InvalidVersion, Specifier, SpecifierSet, Version
 
@@ -318,13 +318,10 @@ def has_bug(item, version, pins):
     """Whether release `version` of the item's package has the bug (a patch's or a known one) by the numbers alone,
     with the other pins: upstream's code, no dspatch."""
     try:
-        parsed = Version(Version(version).base_version)
-    except InvalidVersion:
+        if not in_range(item, version):
+            return False
+    except InvalidVersion:  # no release number: taken as having it
         return True
-    if item.fixed_in and parsed >= Version(item.fixed_in):
-        return False
-    if not SpecifierSet(item.affected).contains(parsed):
-        return False
     return not _others(item, pins)[2]
 
 

@@ -24,10 +24,7 @@ class Known:
         from dspatch.versions import InvalidVersion, SpecifierSet, Version
 
         try:
-            release = Version(Version(version).base_version)
-            if self.fixed_in and release >= Version(self.fixed_in):
-                return False
-            return SpecifierSet(self.affected).contains(release) and all(
+            return in_range(self, version) and all(
                 others.get(other) is not None and SpecifierSet(wanted).contains(Version(others[other]).base_version)
                 for other, wanted in self.requires.items())
         except InvalidVersion:  # a version that is no release: cannot tell
@@ -35,6 +32,15 @@ class Known:
 
     def __repr__(self):
         return f"Known({self.id})"
+
+
+def in_range(item, version):
+    """Whether release `version` (its base release) is in a bug's range: in `affected`, before `fixed_in`. For a
+    Known and a Patch alike (dspatch.audit); InvalidVersion where `version` is no version."""
+    from dspatch.versions import SpecifierSet, Version
+
+    release = Version(Version(version).base_version)
+    return not (item.fixed_in and release >= Version(item.fixed_in)) and SpecifierSet(item.affected).contains(release)
 
 
 DS = "https://github.com/deepspeedai/DeepSpeed/pull/"
