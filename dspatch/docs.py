@@ -44,10 +44,11 @@ def _links(patch):
 
 def short_table():
     """The README's table: what a user needs to recognise a bug and whether it is theirs."""
-    lines = ["| patch | what you see on stock | affected | fixed upstream |", "|---|---|---|---|"]
+    # the package is the id's first part: the release columns give versions only (the README stays short)
+    lines = ["| patch | what you see on stock | releases affected | fixed upstream |", "|---|---|---|---|"]
     for pid, p in registry.all_patches().items():
         lines.append(f"| [`{pid}`]({page_path(pid)}) | {_cell(p.symptom or p.summary)} | "
-                     f"{p.distribution} {p.affected} | {p.fixed_in or 'not yet'} |")
+                     f"{'all' if p.affected == '>=0' else p.affected} | {p.fixed_in or 'not yet'} |")
     return "\n".join(lines)
 
 

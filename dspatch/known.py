@@ -49,10 +49,6 @@ KNOWN = (
     Known("deepspeed/zero2-grad-accum-last-microbatch", "deepspeed", ">=0.17.6,<0.18.3", "0.18.3",
           "ZeRO-2 + gradient accumulation: only the last micro-batch's gradient trains (silent)",
           "upgrade deepspeed, or use ZeRO-1 or ZeRO-3 with accumulation", (DS + "7665",)),
-    Known("deepspeed/zero2-offload-grad-accum", "deepspeed", ">=0.15.2,<0.19.0", "0.19.0",
-          "ZeRO-2 + optimizer offloaded to the CPU + accumulation >= 3: only the first and last micro-batches train "
-          "(silent)", "upgrade deepspeed, or keep accumulation at 2 or less, or use ZeRO-1 (right on every release)",
-          (DS + "7967",)),
     Known("deepspeed/zero0-bf16-grads", "deepspeed", ">=0.17.6,<0.18.6", "0.18.6",
           "bf16 at ZeRO stage 0: gradients are never cleared between steps, and from 0.18.3 are 65536 times too "
           "small (silent)", "upgrade deepspeed, or use ZeRO-1 with bf16", (DS + "7839",)),

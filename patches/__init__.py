@@ -31,4 +31,5 @@ MODULES = (
     "transformers.trainer_stale_deepspeed_engine",
     "transformers.resume_rng_weights_only",
     "deepspeed.zero_init_inherited_init",
+    "deepspeed.zero2_offload_grad_accum",
 )

@@ -1,0 +1,146 @@
+"""Reproducers: real deepspeed.initialize at ZeRO-2 with the optimizer offloaded to the CPU (CPU, one process), on a
+tiny Llama, gradient accumulation 3 and 4: the raw engine loop and the Trainer. A silent bug, proven by numbers.
+
+The engine loop runs 2 optimizer steps with SGD (an update is the gradient itself) and compares every weight with the
+same steps taken by plain torch (each micro-batch's loss / GA, backward, step): equal on a right release (relative
+1e-5: flat fp32 buffers sum in another order than per-parameter ones; the bug moves weights by tens of percent). The
+Trainer runs the same recipe at ZeRO-2 and at ZeRO-1, both offloaded: ZeRO-1 reduces only at the boundary and is right
+on every release, so the two must log the same grad_norm at every step and end with the same weights.
+
+Where the numbers differ, the reproducer checks that they are exactly those of this bug (the middle micro-batches
+dropped: micro-batches 1 and GA of each window) before it says so; any other difference is an error.
+
+Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
+"""
+from dspatch.spec import BugSeen
+
+STEPS, LR, RTOL = 2, 0.5, 1e-5
+
+
+def _config(stage, accumulation, offload=True, **extra):
+    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+            "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,  # deepspeed >= 0.19 clips at 1.0 unless told: here an update is the gradient
+            # the CPU runs the offload path with a torch optimizer (DeepSpeed's CPU Adam is a JIT-built op)
+            "zero_force_ds_cpu_optimizer": False, "zero_optimization": zero, **extra}
+
+
+def _batches(count):
+    import torch
+
+    from dspatch.scenario import lm_rows
+
+    return [{"input_ids": torch.tensor([row["input_ids"]]), "labels": torch.tensor([row["labels"]])}
+            for row in lm_rows(count, 8)]
+
+
+def _plain_torch(batches, accumulation, dropped=False):
+    """The weights after STEPS SGD steps without DeepSpeed; `dropped`: as the bug takes them (each window's first
+    and last micro-batch only)."""
+    import torch
+
+    from dspatch.scenario import tiny_llama
+
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        window = batches[step * accumulation:(step + 1) * accumulation]
+        for index, batch in enumerate(window):
+            if dropped and 0 < index < accumulation - 1:
+                continue
+            (model(**batch).loss / accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _worst(got, want):
+    """The largest relative difference between two sets of weights."""
+    return max(float((got[name] - want[name]).norm() / want[name].norm()) for name in want)
+
+
+def engine_weights(stage, accumulation, offload=True):
+    """The weights after STEPS SGD steps of `engine.backward(loss); engine.step()` over one micro-batch at a time."""
+    import torch
+
+    from dspatch.scenario import init_deepspeed, tiny_llama
+
+    deepspeed = init_deepspeed()
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                      config=_config(stage, accumulation, offload))
+    for batch in _batches(STEPS * accumulation):
+        engine.backward(engine(**batch).loss)
+        engine.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def engine_loop(accumulation):
+    batches = _batches(STEPS * accumulation)
+    got = engine_weights(2, accumulation)
+    off = _worst(got, _plain_torch(batches, accumulation))
+    if off <= RTOL:
+        return
+    if _worst(got, _plain_torch(batches, accumulation, dropped=True)) <= RTOL:
+        raise BugSeen(f"ZeRO-2 + offloaded optimizer, accumulation {accumulation}: the update took micro-batches 1 "
+                      f"and {accumulation} of each window only (weights {off:.0%} off plain torch)")
+    raise AssertionError(f"weights {off:.2e} off plain torch, and not as this bug drops micro-batches")
+
+
+def engine_loop_ga3():
+    """`engine.backward(loss); engine.step()` over 6 micro-batches at accumulation 3: plain torch's weights."""
+    engine_loop(3)
+
+
+def trainer_ga4():
+    """The Trainer at accumulation 4, optimizer offloaded to the CPU: ZeRO-2 logs ZeRO-1's grad_norm and ends with
+    its weights."""
+    zero2, zero1 = _trainer(2), _trainer(1)
+    norms = [(a, b) for a, b in zip(zero2[0], zero1[0]) if abs(a - b) > RTOL * max(abs(a), abs(b))]
+    off = _worst(zero2[1], zero1[1])
+    if not norms and off <= RTOL:
+        return
+    if norms and off > RTOL:
+        raise BugSeen(f"ZeRO-2 + offloaded optimizer in the Trainer, accumulation 4: grad_norm "
+                      f"{', '.join(f'{a:.4g}' for a, _ in norms)} where ZeRO-1 logs "
+                      f"{', '.join(f'{b:.4g}' for _, b in norms)} (weights {off:.0%} apart)")
+    raise AssertionError(f"grad_norm differences {norms}, weights {off:.2e} apart: not this bug's shape")
+
+
+def _trainer(stage, accumulation=4):
+    """(grad_norm of each step, final weights) of the Trainer at ZeRO `stage` with the optimizer offloaded."""
+    import tempfile
+
+    from dspatch.scenario import init_deepspeed, reset_accelerate, tiny_llama
+
+    init_deepspeed()
+    from transformers import Trainer, TrainingArguments
+
+    rows = [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist()}
+            for b in _batches(STEPS * accumulation)]
+    config = _config(stage, "auto", train_micro_batch_size_per_gpu="auto", gradient_clipping="auto")
+    reset_accelerate()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=accumulation,
+                                 max_steps=STEPS, optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
+                                 max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[], deepspeed=config,
+                                 dataloader_num_workers=0, seed=0, data_seed=0)
+        model = tiny_llama()
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        try:
+            trainer.train()
+        finally:
+            reset_accelerate()
+    norms = [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry]
+    if len(norms) != STEPS:
+        raise AssertionError(f"logged grad_norm {norms}, wanted {STEPS} steps")
+    return norms, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+SCENARIOS = {"engine_loop_ga3": engine_loop_ga3, "trainer_ga4": trainer_ga4}
+EXPECTED_ON_STOCK = {"engine_loop_ga3": "the update took micro-batches 1 and 3 of each window only",
+                     "trainer_ga4": "ZeRO-2 + offloaded optimizer in the Trainer, accumulation 4: grad_norm"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.14.0", "0.19.8")
+SILENT = "micro-batches dropped from the gradient, no message: proven by numbers"
