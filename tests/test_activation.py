@@ -1,4 +1,6 @@
-"""What dspatch.pth does at interpreter start, and how activation behaves on a real stack."""
+"""What dspatch.pth does at interpreter start, and how activation behaves on a real stack. The stack's runs start from
+a zygote that imported torch alone (tests/warm.py, mode "base"): dspatch.pth runs at the child's start and the child
+imports every watched package itself, as a fresh interpreter does; what is read at start-up is read in fresh ones."""
 import json
 
 import pytest
@@ -43,7 +45,7 @@ def test_first_target_import_loads_and_applies():
     # one interpreter, as a job starts: its import of deepspeed loads dspatch's runtime, applies, and says so once
     code = ("import deepspeed, json, sys, dspatch._runtime as r; print(json.dumps([sorted(sys.modules), "
             "str(r.state_of('deepspeed/zero3-module-id'))]))")
-    proc = run_python(["-c", code], env=clean_env(DSPATCH="1"))
+    proc = run_python(["-c", code], env=clean_env(DSPATCH="1"), warm="base")
     loaded, state = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "dspatch._runtime" in loaded and "deepspeed" in loaded
     from packaging.version import Version
@@ -60,23 +62,24 @@ def test_first_target_import_loads_and_applies():
 @pytest.mark.machinery
 def test_other_watched_packages_import_normally_with_the_hook():
     code = "import transformers, accelerate, trl, deepspeed; print('fine')"
-    assert run_python(["-c", code], env=clean_env(DSPATCH="1")).stdout.strip().endswith("fine")
+    assert run_python(["-c", code], env=clean_env(DSPATCH="1"), warm="base").stdout.strip().endswith("fine")
 
 
 @pytest.mark.stack
 @pytest.mark.machinery
 def test_unknown_id_in_dspatch_is_reported_and_the_import_goes_on():
-    proc = run_python(["-c", "import deepspeed; print('imported')"], env=clean_env(DSPATCH="deepspeed/nope"))
+    proc = run_python(["-c", "import deepspeed; print('imported')"], env=clean_env(DSPATCH="deepspeed/nope"), warm="base")
     assert proc.stdout.strip().endswith("imported")
     assert "DSPATCH='deepspeed/nope' is an unknown patch id" in proc.stderr and "deepspeed/zero3-module-id" in proc.stderr
     strict = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="deepspeed/nope", DSPATCH_STRICT="1"),
-                        check=False)
+                        check=False, warm="base")
     assert strict.returncode != 0 and "PatchError: dspatch: DSPATCH='deepspeed/nope' is an unknown patch id" in strict.stderr
 
 
 @pytest.mark.stack
 @pytest.mark.machinery
 def test_local_rank_other_than_zero_is_quiet():
+    # a fresh interpreter: in a zygote, an environment of its own would start one for this run alone
     proc = run_python(["-c", "import deepspeed"], env=clean_env(DSPATCH="1", LOCAL_RANK="1"))
     assert not [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
 
@@ -88,11 +91,11 @@ def test_an_internal_dspatch_error_never_breaks_the_import():
             "def broken(name): raise ZeroDivisionError('simulated dspatch bug')\n"
             "r.module_loaded = broken\n"
             "import deepspeed; print('imported')")
-    proc = run_python(["-c", code], env=clean_env(DSPATCH="1"))
+    proc = run_python(["-c", code], env=clean_env(DSPATCH="1"), warm="base")
     assert proc.stdout.strip().endswith("imported")
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch:")]
     assert len(said) == 1 and "internal error" in said[0] and "simulated dspatch bug" in said[0]
-    strict = run_python(["-c", code], env=clean_env(DSPATCH="1", DSPATCH_STRICT="1"), check=False)
+    strict = run_python(["-c", code], env=clean_env(DSPATCH="1", DSPATCH_STRICT="1"), check=False, warm="base")
     assert strict.returncode != 0 and "simulated dspatch bug" in strict.stderr
 
 

@@ -18,7 +18,7 @@ def affected():
 
 
 def _report(code, env=None, check=True):
-    proc = run_python(["-c", code], env=env, check=check)
+    proc = run_python(["-c", code], env=env, check=check, warm="base")  # torch preloaded; deepspeed and dspatch start in the run
     lines = [line[2:] for line in proc.stdout.splitlines() if line.startswith("R ")]
     return (json.loads(lines[-1]) if lines else None), proc
 

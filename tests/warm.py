@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 
-MAX_ZYGOTES = 4
+MAX_ZYGOTES = 6  # per worker; a stack zygote holds ~0.5 GB (the mid session peaks at ~4.5 GB used in all)
 # what a training job on these stacks imports; each is tried (a stack may lack one, e.g. peft on trl_tf5)
 BASE = ("numpy", "torch", "torch.distributed", "safetensors.torch")  # numpy first: see FORK_SAFE_THREADS
 # what importing deepspeed pulls in beside torch, none of it watched by dspatch: two thirds of deepspeed's import
@@ -169,6 +169,11 @@ def _packages_in_all(env):
 DSPATCH_VARS = ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT", "DSPATCH_VERBOSE", "DSPATCH_CACHE")
 
 
+# Read by the run, never at import: the zygote starts without them (the child has the run's whole environment), so
+# that a test setting one does not start a zygote for itself.
+RUN_TIME_VARS = ("DSPATCH_RANKS", "DSPATCH_NO_SYNC_RECORD")
+
+
 def _without(env, *names):
     return {k: v for k, v in env.items() if k not in names}
 
@@ -186,6 +191,13 @@ def plan(env, mode="stack"):
     if os.environ.get("DSPATCH_WARM", "1") == "0":
         return None
     unwatched, watched = _lazy(env)
+    env = _without(env, *RUN_TIME_VARS)  # what the zygote starts with: the run itself gets them
+    from dspatch._hook import flag
+
+    if mode == "stack" and flag("DSPATCH", env) and env["DSPATCH"].strip() != "1":
+        # a run naming its own patches (one patch's proof): a zygote would serve it alone (~10 s to import the
+        # stack, against ~4 s for the run to import it itself); the base one serves every DSPATCH value
+        mode = "base"
     if mode == "base":
         return (_without(env, "PYTHONPATH", *DSPATCH_VARS), BASE + BESIDE + unwatched, tuple(WATCHED)) \
             if not _packages_in_all(env) & {"torch", "dspatch"} else None
@@ -196,8 +208,6 @@ def plan(env, mode="stack"):
     if not copies:
         return base, BASE + STACK + unwatched + watched, ()
     forbidden = set(copies)
-    from dspatch._hook import flag
-
     if flag("DSPATCH", base):
         forbidden |= set(WATCHED)
         base = _without(base, *DSPATCH_VARS)  # nothing watched preloaded: the child runs dspatch.pth
