@@ -114,8 +114,8 @@ def known_page():
 
 def _story(patch):
     module = importlib.import_module(patch.reproducers[:-len("_reproducers")])
-    lines = (module.__doc__ or "").strip().splitlines()
-    return "\n".join(lines[1:]).strip() if lines else ""
+    # the docstring's first paragraph is its summary (the page gives the declaration's); the story is the rest
+    return (module.__doc__ or "").strip().partition("\n\n")[2].strip()
 
 
 def _verdicts(patch):

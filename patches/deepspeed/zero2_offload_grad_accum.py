@@ -1,5 +1,6 @@
-"""ZeRO-2 with the optimizer offloaded to the CPU and gradient accumulation >= 3: every micro-batch counts again, not
-only the first and the last of each window (deepspeed 0.15.2-0.18.9).
+"""ZeRO-2, optimizer offloaded to the CPU, accumulation >= 3: every micro-batch counts again (deepspeed 0.15.2-0.18.9).
+
+Stock keeps only the first and the last micro-batch of each accumulation window.
 
 A silent one: no error, no warning; the loss still goes down. It is the "low memory" recipe of LLaMA-Factory, ms-swift
 and trl users (ZeRO-2, `offload_optimizer: cpu`, accumulation 4 to 16). With the optimizer on the CPU, ZeRO-2 keeps each
