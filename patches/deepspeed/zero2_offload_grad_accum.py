@@ -6,16 +6,17 @@ A silent one: no error, no warning; the loss still goes down. It is the "low mem
 and trl users (ZeRO-2, `offload_optimizer: cpu`, accumulation 4 to 16). With the optimizer on the CPU, ZeRO-2 keeps each
 parameter's gradient of the window so far in a CPU buffer: `DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu`
 copies the first micro-batch's gradient there, and at every later micro-batch adds the buffer into the new gradient.
-From 0.15.2 (PR 6550) the sum is copied back to the buffer only after the first micro-batch: from the second on, the
-buffer still holds the first gradient alone, so the boundary sees g_first + g_last, and the micro-batches between them
-are dropped. Accumulation 2 is exact (it has no middle); ZeRO-1 reduces only at the boundary and is right on every
-release. 0.19.0 fixed it (PR 7967).
+From 0.15.2 (PR 6550) the buffer is written only after the first micro-batch: from the second on, it still holds the
+first gradient alone, so the boundary sees g_first + g_last, and the micro-batches between them are dropped.
+Accumulation 2 is exact (it has no middle); ZeRO-1 reduces only at the boundary and is right on every release. 0.19.0
+fixed it (PR 7967).
 
-The fix restores what 0.14.4 to 0.15.1 did, rebuilt from the installed source of the method: the buffer takes the sum
+The fix restores what 0.14.0 to 0.15.1 did, rebuilt from the installed source of the method: the buffer takes the sum
 after every micro-batch before the boundary (`if not self.is_gradient_accumulation_boundary: copy_gradients_to_cpu()`,
-where the stock code copies only after the first). Upstream's own line copies at the boundary too; on 0.15.2-0.18.9
-that would leave the step's gradient in the buffer, where ZeRO-1 with offload adds it into the next step (there
-`micro_step_id` counts every backward of the step), so the boundary copy is left out here, as 0.14.4 had it.
+where the stock code copies only after the first). Upstream's own line copies at the boundary too, which 0.19.0 pairs
+with a new gate in the caller; on 0.15.2-0.16.4, where ZeRO-1's `micro_step_id` counts every backward of a step, that
+copy would leave the step's gradient in the buffer for ZeRO-1 with offload to add into the next step. The older form
+is right on every release of the range, so it is the one used.
 
 Proven by numbers on the bridge (0.16.9) and mid (0.16.3) stacks: at accumulation 3, two SGD steps of the raw engine
 loop equal plain torch (relative 1e-5; stock is 49% off and equals plain torch without the middle micro-batch); at
