@@ -1,5 +1,7 @@
-"""A 2-process torchrun ZeRO-3 job with DSPATCH=1: every rank applies the same patches, and on a model that
-hits no bug the losses are bit-identical to a stock run."""
+"""A 2-process ZeRO-3 job with DSPATCH=1: every rank applies the same patches, and on a model that hits no bug the
+losses are bit-identical to a stock run. torchrun is torch's (2.13 on every stack): its job runs with real torchrun on
+the old stack, where the main job runs under it too; on the others, where what differs is the upstream releases, the
+same job's two ranks are forked from a process that imported the stack (dspatch.scenario.launch_ranks)."""
 import json
 import os
 import socket
@@ -20,16 +22,30 @@ def _launch(script):
             str(port), script]
 
 
-def _torchrun(out, env):
-    run_python([*_launch(os.path.join(ROOT, "tests", "train_zero3.py")), str(out)], env=env)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+TORCHRUN_STACKS = ("old",)
+FORKED = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1])  # tests/: the ranks run train_zero3 as a module
+from dspatch.scenario import _fork_refused, launch_ranks
+assert _fork_refused() is None, _fork_refused()
+print("R " + json.dumps(launch_ranks("train_zero3")))
+'''
+
+
+def _two_ranks(out, env):
+    """The two ranks' reports of tests/train_zero3.py: real torchrun on TORCHRUN_STACKS, else forked ranks."""
+    if STACK in TORCHRUN_STACKS:
+        run_python([*_launch(os.path.join(ROOT, "tests", "train_zero3.py")), str(out)], env=env)
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    proc = run_python(["-c", FORKED, os.path.join(ROOT, "tests")], env=env, warm="stack")
+    return json.loads([line for line in proc.stdout.splitlines() if line.startswith("R ")][-1][2:])
 
 
 def test_two_ranks_patched_equal_stock_bit_for_bit(tmp_path):
     from dspatch import gating, registry
 
-    stock = _torchrun(tmp_path / "stock", clean_env())
-    patched = _torchrun(tmp_path / "patched", clean_env(DSPATCH="1"))
+    stock = _two_ranks(tmp_path / "stock", clean_env())
+    patched = _two_ranks(tmp_path / "patched", clean_env(DSPATCH="1"))
     # every patch that applies to this stack, all active, on a job that hits none of their bugs
     # (the deepspeed ones: the job imports no Trainer, no trl)
     expected = [pid for pid, p in registry.all_patches().items()
@@ -70,7 +86,8 @@ def test_reproducer_ranks_forked_by_default_and_from_torchrun_on_request():
     where nothing there differs from a fresh rank; with DSPATCH_RANKS=torchrun they are torchrun's fresh
     interpreters, as before: that way too, stock shows the bug, so the forked ranks' failure is no artifact of the
     fork. (That the patch fixes it there: in fresh ranks the patch applies at import as in any torchrun job, which
-    test_two_ranks_patched_equal_stock_bit_for_bit checks on every stack; the fix itself, test_proofs_fixes.py. The
+    test_two_ranks_patched_equal_stock_bit_for_bit checks under real torchrun on the old stack (torch's launcher, the
+    same on every stack), as do the main job and the launcher tests; the fix itself, test_proofs_fixes.py. The
     fixed run through torchrun cost 30 s of CI here.)"""
     import inspect
 
