@@ -368,6 +368,35 @@ def train_with_deepspeed(trainer, error, reword):
         reset_accelerate()
 
 
+def sgd_trainer(model, rows, deepspeed, batch, accumulation, steps, lr=0.5):
+    """trainer.train() of a real Trainer with plain SGD at a constant rate and no effective clipping (an update is the
+    gradient itself), logging grad_norm at every optimizer step: for the silent gradient bugs, proven by numbers.
+    `deepspeed` is its DeepSpeed config, or None for the same run without DeepSpeed (on the CPU). Returns (the
+    trainer, the grad_norm of each step); accelerate's state is reset before and after."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    reset_accelerate()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                                 max_steps=steps, optim="sgd", learning_rate=lr, lr_scheduler_type="constant",
+                                 max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[],
+                                 deepspeed=deepspeed, use_cpu=deepspeed is None, dataloader_num_workers=0, seed=0,
+                                 data_seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        if trainer.is_deepspeed_enabled != (deepspeed is not None):
+            raise AssertionError(f"the Trainer's DeepSpeed: {trainer.is_deepspeed_enabled}, wanted {deepspeed}")
+        try:
+            trainer.train()
+        finally:
+            reset_accelerate()
+    norms = [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry]
+    if len(norms) != steps:
+        raise AssertionError(f"logged grad_norm {norms}, wanted {steps} steps")
+    return trainer, norms
+
+
 def word_tokenizer(vocab, folder=None, **special):
     """A fast tokenizer made in code (nothing from a hub): one token per whitespace-separated word of `vocab`
     (a list or {word: id}), `special` its special tokens (pad_token="<pad>", ...; padding_side too). Saved to

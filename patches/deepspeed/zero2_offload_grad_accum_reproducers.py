@@ -112,36 +112,19 @@ def trainer_ga4():
 
 def _trainer(stage, accumulation=4):
     """(grad_norm of each step, final weights) of the Trainer at ZeRO `stage` with the optimizer offloaded."""
-    import tempfile
-
-    from dspatch.scenario import init_deepspeed, reset_accelerate, tiny_llama
+    from dspatch.scenario import init_deepspeed, sgd_trainer, tiny_llama
 
     init_deepspeed()
-    from transformers import Trainer, TrainingArguments
-
     rows = [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist()}
             for b in _batches(STEPS * accumulation)]
     config = _config(stage, "auto", train_micro_batch_size_per_gpu="auto", gradient_clipping="auto")
-    reset_accelerate()
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=1, gradient_accumulation_steps=accumulation,
-                                 max_steps=STEPS, optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
-                                 max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[], deepspeed=config,
-                                 dataloader_num_workers=0, seed=0, data_seed=0)
-        model = tiny_llama()
-        trainer = Trainer(model=model, args=args, train_dataset=rows)
-        try:
-            trainer.train()
-            engine = trainer.deepspeed  # the run compared is the one meant: DeepSpeed, this stage, offload, this GA
-            ran = engine and (engine.zero_optimization_stage(), getattr(engine.optimizer, "cpu_offload", None),
-                              engine.gradient_accumulation_steps())
-            if ran != (stage, True, accumulation):
-                raise AssertionError(f"the Trainer ran (ZeRO stage, offload, GA) {ran}, wanted {(stage, True, accumulation)}")
-        finally:
-            reset_accelerate()
-    norms = [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry]
-    if len(norms) != STEPS:
-        raise AssertionError(f"logged grad_norm {norms}, wanted {STEPS} steps")
+    model = tiny_llama()
+    trainer, norms = sgd_trainer(model, rows, config, 1, accumulation, STEPS, lr=LR)
+    engine = trainer.deepspeed  # the run compared is the one meant: DeepSpeed, this stage, offload, this GA
+    ran = engine and (engine.zero_optimization_stage(), getattr(engine.optimizer, "cpu_offload", None),
+                      engine.gradient_accumulation_steps())
+    if ran != (stage, True, accumulation):
+        raise AssertionError(f"the Trainer ran (ZeRO stage, offload, GA) {ran}, wanted {(stage, True, accumulation)}")
     return norms, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 

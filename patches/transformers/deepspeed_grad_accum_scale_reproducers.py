@@ -23,46 +23,25 @@ def _data():
 
 def run(stage, accumulation):
     """(grad_norm of each optimizer step, final weights) of a Trainer run; `stage` None: without DeepSpeed."""
-    import tempfile
+    from dspatch.scenario import init_deepspeed, sgd_trainer, tiny_llama
 
-    from dspatch.scenario import init_deepspeed, reset_accelerate, tiny_llama
-
-    if stage is not None:
-        init_deepspeed()
-    from transformers import Trainer, TrainingArguments
-
-    reset_accelerate()
     ds = None
     if stage is not None:
+        init_deepspeed()
         zero = {"stage": stage}
         if stage == 3:
             zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
         ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "gradient_clipping": "auto", "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
               "zero_optimization": zero}
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=SAMPLES // STEPS // accumulation,
-                                 gradient_accumulation_steps=accumulation, max_steps=STEPS, optim="sgd",
-                                 learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=1e9, logging_steps=1,
-                                 save_strategy="no", report_to=[], deepspeed=ds, use_cpu=stage is None,
-                                 dataloader_num_workers=0, seed=0, data_seed=0)
-        model = tiny_llama()
-        trainer = Trainer(model=model, args=args, train_dataset=_data())
-        if trainer.is_deepspeed_enabled != (stage is not None):
-            raise AssertionError(f"the Trainer's DeepSpeed: {trainer.is_deepspeed_enabled}, wanted stage {stage}")
-        try:
-            trainer.train()
-        finally:
-            reset_accelerate()
-        import deepspeed
+    model = tiny_llama()
+    _, norms = sgd_trainer(model, _data(), ds, SAMPLES // STEPS // accumulation, accumulation, STEPS)
+    import deepspeed
 
-        params = dict(model.named_parameters())
-        with deepspeed.zero.GatheredParameters(list(params.values())) if stage == 3 else _nothing():
-            weights = {n: p.detach().clone() for n, p in params.items()}
-        norms = [float(entry["grad_norm"]) for entry in trainer.state.log_history if "grad_norm" in entry]
-        if len(norms) != STEPS:
-            raise AssertionError(f"logged grad_norm {norms}, wanted {STEPS} steps")
-        return norms, weights
+    params = dict(model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())) if stage == 3 else _nothing():
+        weights = {n: p.detach().clone() for n, p in params.items()}
+    return norms, weights
 
 
 def _nothing():
