@@ -1,6 +1,6 @@
 """Test matrix over real upstream stacks (deepspeed + transformers + accelerate + trl, torch 2.13 CPU), plus a torch-free unit session.
 
-    nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 (what CI runs)
+    nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 + ds0183 (what CI runs)
     nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
@@ -12,7 +12,7 @@ import time
 
 import nox
 
-nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16"]
+nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16", "ds0183"]
 nox.options.error_on_missing_interpreters = True
 
 # torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
@@ -36,6 +36,11 @@ TRL_TF5 = ["deepspeed==0.16.3", "transformers==5.23.0", "accelerate==1.10.1", "t
 # transformers 4.44.2 (the old stack's) with a deepspeed that validates its config with pydantic 2 (>= 0.15), where an
 # "auto" ZeRO-3 config fails to start (transformers/deepspeed-prefetch-bucket-int): that patch's proofs only
 TF444_DS16 = ["deepspeed==0.16.3", "transformers==4.44.2", "accelerate==0.34.2"]
+# Sessions that prove only the patches of one deepspeed band no full stack installs (issue 35): their pins are kept
+# out of the environments' folder hash below, so that adding one does not rebuild every stack's environment; a
+# changed pin here reinstalls over that session's own environment (install_once's stamp tells).
+# ds0183: deepspeed 0.18.3 on the mid stack's other pins, the release where the GA scaling moved into output hooks
+SMALL = {"ds0183": ["deepspeed==0.18.3", "transformers==4.57.6", "accelerate==1.10.1"]}
 
 # The stacks' environments live outside the clone (a clean clone, as CI makes, would otherwise rebuild six of them
 # every run), in a folder named by a hash of everything installed into them: a changed pin is a new folder, never
@@ -153,6 +158,20 @@ def tf444_ds16(session):
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
     proofs = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
     session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, "-k", "prefetch-bucket-int", *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
+
+
+@nox.session(python="3.11")
+def ds0183(session):
+    """The patches of deepspeed 0.18.3's gradient scaling (output hooks) proven on it with the mid stack's other pins
+    (torch 2.13 CPU): every shared proof of those patches, their own tests, and stock, monkeypatch and diff on the
+    newest released source of each of their diff bands."""
+    install_once(session, TORCH)
+    install_once(session, *SMALL["ds0183"])
+    install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
+    tests = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py",
+             "tests/test_proofs_bands.py", "tests/test_output_hooks_gas.py"]
+    session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", "scale-wrt-gas or gas-per-tensor or output_hooks_gas",
+                *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "ds0183", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 
 @nox.session(python="3.11")

@@ -52,17 +52,9 @@ KNOWN = (
     Known("deepspeed/zero0-bf16-grads", "deepspeed", ">=0.17.6,<0.18.6", "0.18.6",
           "bf16 at ZeRO stage 0: gradients are never cleared between steps, and from 0.18.3 are 65536 times too "
           "small (silent)", "upgrade deepspeed, or use ZeRO-1 with bf16", (DS + "7839",)),
-    Known("deepspeed/backward-scale-wrt-gas", "deepspeed", "==0.18.3", "0.18.4",
-          "engine.backward(loss, scale_wrt_gas=False) still divides by the accumulation steps: every Trainer run "
-          "with accumulation trains on gradients that many times too small (silent)",
-          "upgrade deepspeed (0.18.3 is the only release with it)", (DS + "7724",)),
     Known("deepspeed/pipe-grad-accum-scale", "deepspeed", ">=0.16.0,<0.19.3", "0.19.3",
           "pipeline parallelism (2+ stages) + accumulation: every stage's gradient is scaled wrongly (silent)",
           "upgrade deepspeed", (DS + "8154",)),
-    Known("deepspeed/output-hooks-gas-per-tensor", "deepspeed", ">=0.18.3,<0.19.6", "0.19.6",
-          "`engine.backward(engine(**batch, labels=...).loss)` + accumulation: the gradient is divided by the "
-          "accumulation steps once per output tensor on the loss's graph (GA^2 with loss and logits; silent)",
-          "upgrade deepspeed, or return the loss alone from the forward", (DS + "8245",)),
     Known("accelerate/deepspeed-ga-boundary", "accelerate", "<1.8.0", "1.8.0",
           "accelerate + DeepSpeed with accumulation: DeepSpeed steps at its own count, so with a dataloader whose "
           "length the accumulation does not divide the last partial window is never applied (silent)",

@@ -32,4 +32,6 @@ MODULES = (
     "transformers.resume_rng_weights_only",
     "deepspeed.zero_init_inherited_init",
     "deepspeed.zero2_offload_grad_accum",
+    "deepspeed.output_hooks_gas_per_tensor",
+    "deepspeed.backward_scale_wrt_gas",
 )

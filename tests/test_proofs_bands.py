@@ -1,12 +1,13 @@
 """The upstream diffs of the bands no stack of the matrix installs, proven on a real release of each band (old
-session): stock shows the bug on that release's own source, and the band's diff applied to it fixes it. (Split
+session): stock shows the bug on that release's own source, and the band's diff applied to it fixes it. A session
+outside the matrix (ds0183) does the same for its patches' bands on their newest release, the monkeypatch too. (Split
 from test_proofs.py so that pytest-xdist's workers share the proofs.)"""
 import json
 import os
 
 import pytest
 
-from dspatch import registry
+from dspatch import gating, registry
 from dspatch import upstream
 
 from conftest import _succeeded, clean_env, last_json, run_python, verify
@@ -78,7 +79,30 @@ def _bands_no_stack_runs():
     return found
 
 
-BANDS = _bands_no_stack_runs() if os.environ.get("DSPATCH_TEST_STACK") == "old" else []
+def _other_releases_of_this_sessions_bands():
+    """On a session outside the matrix (one band's patches, as ds0183): the newest release of each diff band of the
+    patches that apply here, where it is not the release installed (that one the session's own proofs run). There the
+    monkeypatch is proven too: the session exists for these patches, and their targets' code differs across a band."""
+    from packaging.specifiers import SpecifierSet
+
+    from upstream_releases import sdist_versions
+
+    found = []
+    for pid in APPLICABLE:
+        patch = registry.all_patches()[pid]
+        installed = gating.evaluate(patch).version
+        releases = sdist_versions(patch.distribution, "0.0", "999")
+        for band in patch.diffs:
+            in_band = [v for v in releases if SpecifierSet(band).contains(v)]
+            if in_band and in_band[-1] != installed:
+                found.append((pid, band, in_band[-1], None))
+    return found
+
+
+STACK = os.environ.get("DSPATCH_TEST_STACK")
+OUTSIDE_MATRIX = STACK is not None and STACK not in json.loads(os.environ.get("DSPATCH_MATRIX", "{}"))
+BANDS = (_bands_no_stack_runs() if STACK == "old" else _other_releases_of_this_sessions_bands() if OUTSIDE_MATRIX
+         else [])
 
 
 @pytest.mark.parametrize("pid, band, version, same_code", BANDS or [("none", "", "", None)])
@@ -93,7 +117,7 @@ def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, 
     from upstream_releases import sdist
 
     if pid == "none":
-        pytest.skip("run on the old stack only (the oldest dependencies of the matrix)")
+        pytest.skip("run on the old stack (the oldest dependencies of the matrix) and on sessions outside the matrix")
     if same_code:
         pytest.skip(f"{version}'s targets are the code of {same_code}: only the diff's context differs "
                     f"(`git apply --check` on every release of the band, unit session)")
@@ -123,6 +147,9 @@ def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, 
         pytest.skip(f"{patch.distribution} {version} runs this reproducer on CUDA only (this torch is a CPU "
                     f"build): that band is proven by fingerprint and `git apply` only")
     assert patch.expected_on_stock[name] in stock["results"][name], (version, name, stock["results"][name])
+    if OUTSIDE_MATRIX:
+        patched = verify(pid, {**env, "DSPATCH": pid}, "--only", name)
+        assert patched["applied"] == [pid] and patched["results"] == {name: "ok"}, (version, patched)
     subprocess.run(["git", "apply", os.path.join(data_dir("upstream_prs"), patch.diffs[band])], cwd=root, check=True)
     fixed = verify(pid, env, "--only", name)
     assert fixed["applied"] == [] and fixed["results"] == {name: "ok"}, (version, fixed)

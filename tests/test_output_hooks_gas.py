@@ -1,0 +1,65 @@
+"""deepspeed/output-hooks-gas-per-tensor and deepspeed/backward-scale-wrt-gas beyond the shared proofs (the ds0183
+session, deepspeed 0.18.3): where the model's output holds one tensor on the graph, every patch active leaves the
+numbers stock's to the bit, and so does ZeRO-3, which the bug cannot reach; the fixed loop lands on plain torch at
+ZeRO-2 too (the reproducers run ZeRO-1); the two patches compose (each alone sets the Trainer right, in their proofs;
+here both on, the raw loops)."""
+import json
+
+import pytest
+
+from dspatch import gating, registry
+
+from conftest import clean_env, last_json, run_python
+
+pytestmark = pytest.mark.stack
+
+HOOKS, SCALE = "deepspeed/output-hooks-gas-per-tensor", "deepspeed/backward-scale-wrt-gas"
+
+RUNS = r'''
+import hashlib, json
+from dspatch import _runtime
+from dspatch.patches.deepspeed.output_hooks_gas_per_tensor_reproducers import (
+    GA, RTOL, engine_weights, plain_torch, worst)
+from dspatch.patches.deepspeed.backward_scale_wrt_gas_reproducers import outside_loss
+
+def digest(w):
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in w.values())).hexdigest()
+
+# one tensor on the graph: the logits, a loss computed from them outside (no bug: one hook divides once)
+single = engine_weights(loss_of=outside_loss, labels=False)
+divided_itself = engine_weights(loss_of=lambda out, batch: outside_loss(out, batch) / GA, labels=False,
+                                scale_wrt_gas=False)
+want = plain_torch()
+zero3 = engine_weights(3)
+off = {"zero2": worst(engine_weights(2), want), "zero3": worst(zero3, want)}
+off["single_vs_plain"] = worst(single, plain_torch(loss_of=outside_loss))
+off["divided_itself_vs_plain"] = worst(divided_itself, plain_torch(loss_of=outside_loss))
+print(json.dumps({"applied": _runtime.applied_ids(), "single": digest(single), "zero3": digest(zero3), "off": off, "rtol": RTOL}))
+'''
+
+
+@pytest.fixture(scope="module")
+def runs():
+    for pid in (HOOKS, SCALE):
+        if gating.evaluate(registry.all_patches()[pid]).verdict != gating.APPLIES:
+            pytest.skip(f"{pid} does not apply to this stack")
+    return {mode: last_json(run_python(["-c", RUNS], env=clean_env(**env), warm="stack"))
+            for mode, env in (("stock", {}), ("every_patch", {"DSPATCH": "1"}))}
+
+
+def test_where_the_bug_cannot_happen_every_patch_leaves_stocks_numbers_to_the_bit(runs):
+    """One output tensor on the graph; and ZeRO-3, whose module hooks hand back new output tensors (the loss was
+    computed from the inner logits, so the hooked logits are not on its graph): stock is right, and unchanged."""
+    stock, patched = runs["stock"], runs["every_patch"]
+    assert stock["applied"] == [] and {HOOKS, SCALE} <= set(patched["applied"])
+    for name in ("single", "zero3"):
+        assert patched[name] == stock[name], name
+    for name in ("single_vs_plain", "zero3"):
+        assert stock["off"][name] <= stock["rtol"], name  # stock is right there: nothing to fix
+
+
+def test_fixed_at_zero2_and_with_both_patches(runs):
+    stock, patched = runs["stock"], runs["every_patch"]
+    for name in ("zero2", "divided_itself_vs_plain"):
+        assert patched["off"][name] <= patched["rtol"], json.dumps(patched)
+        assert stock["off"][name] > 0.5, json.dumps(stock)  # 3 (or 9) times too small a gradient: 63% off
