@@ -1,6 +1,6 @@
 """Test matrix over real upstream stacks (deepspeed + transformers + accelerate + trl, torch 2.13 CPU), plus a torch-free unit session.
 
-    nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 + ds0183 (what CI runs)
+    nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 + ds0183 + ds0182 (what CI runs)
     nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
@@ -12,7 +12,7 @@ import time
 
 import nox
 
-nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16", "ds0183"]
+nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16", "ds0183", "ds0182"]
 nox.options.error_on_missing_interpreters = True
 
 # torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
@@ -40,7 +40,9 @@ TF444_DS16 = ["deepspeed==0.16.3", "transformers==4.44.2", "accelerate==0.34.2"]
 # out of the environments' folder hash below, so that adding one does not rebuild every stack's environment; a
 # changed pin here reinstalls over that session's own environment (install_once's stamp tells).
 # ds0183: deepspeed 0.18.3 on the mid stack's other pins, the release where the GA scaling moved into output hooks
-SMALL = {"ds0183": ["deepspeed==0.18.3", "transformers==4.57.6", "accelerate==1.10.1"]}
+SMALL = {"ds0183": ["deepspeed==0.18.3", "transformers==4.57.6", "accelerate==1.10.1"],
+         # ds0182: the last release before that move, where ZeRO-2 kept only the last micro-batch of a window
+         "ds0182": ["deepspeed==0.18.2", "transformers==4.57.6", "accelerate==1.10.1"]}
 
 # The stacks' environments live outside the clone (a clean clone, as CI makes, would otherwise rebuild six of them
 # every run), in a folder named by a hash of everything installed into them: a changed pin is a new folder, never
@@ -160,18 +162,28 @@ def tf444_ds16(session):
     session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, "-k", "prefetch-bucket-int", *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 
-@nox.session(python="3.11")
-def ds0183(session):
-    """The patches of deepspeed 0.18.3's gradient scaling (output hooks) proven on it with the mid stack's other pins
-    (torch 2.13 CPU): every shared proof of those patches, their own tests, and stock, monkeypatch and diff on the
-    newest released source of each of their diff bands."""
-    install_once(session, TORCH)
-    install_once(session, *SMALL["ds0183"])
-    install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
-    tests = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py",
-             "tests/test_proofs_bands.py", "tests/test_output_hooks_gas.py"]
-    session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", "scale-wrt-gas or gas-per-tensor or output_hooks_gas",
-                *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "ds0183", "DSPATCH_MATRIX": json.dumps(STACKS)})
+def small_session(name, keywords, own_tests, doc):
+    """A session of SMALL: the shared proofs of the patches `keywords` selects, their bands' newest releases (stock,
+    monkeypatch, diff) and their own tests."""
+    @nox.session(python="3.11", name=name)
+    def run(session):
+        install_once(session, TORCH)
+        install_once(session, *SMALL[name])
+        install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
+        tests = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py",
+                 "tests/test_proofs_bands.py", *own_tests]
+        session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", keywords, *session.posargs,
+                    env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS)})
+
+    run.__doc__ = f"{doc} ({', '.join(SMALL[name])}, torch 2.13 CPU)"
+    return run
+
+
+ds0183 = small_session("ds0183", "scale-wrt-gas or gas-per-tensor or output_hooks_gas", ["tests/test_output_hooks_gas.py"],
+                       "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
+                       "backward-scale-wrt-gas")
+ds0182 = small_session("ds0182", "last-microbatch", [], "ZeRO-2 keeping the last micro-batch: "
+                       "zero2-grad-accum-last-microbatch")
 
 
 @nox.session(python="3.11")

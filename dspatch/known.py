@@ -46,9 +46,6 @@ def in_range(item, version):
 DS = "https://github.com/deepspeedai/DeepSpeed/pull/"
 
 KNOWN = (
-    Known("deepspeed/zero2-grad-accum-last-microbatch", "deepspeed", ">=0.17.6,<0.18.3", "0.18.3",
-          "ZeRO-2 + gradient accumulation: only the last micro-batch's gradient trains (silent)",
-          "upgrade deepspeed, or use ZeRO-1 or ZeRO-3 with accumulation", (DS + "7665",)),
     Known("deepspeed/zero0-bf16-grads", "deepspeed", ">=0.17.6,<0.18.6", "0.18.6",
           "bf16 at ZeRO stage 0: gradients are never cleared between steps, and from 0.18.3 are 65536 times too "
           "small (silent)", "upgrade deepspeed, or use ZeRO-1 with bf16", (DS + "7839",)),

@@ -34,4 +34,5 @@ MODULES = (
     "deepspeed.zero2_offload_grad_accum",
     "deepspeed.output_hooks_gas_per_tensor",
     "deepspeed.backward_scale_wrt_gas",
+    "deepspeed.zero2_grad_accum_last_microbatch",
 )
