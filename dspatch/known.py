@@ -52,11 +52,6 @@ KNOWN = (
     Known("deepspeed/pipe-grad-accum-scale", "deepspeed", ">=0.16.0,<0.19.3", "0.19.3",
           "pipeline parallelism (2+ stages) + accumulation: every stage's gradient is scaled wrongly (silent)",
           "upgrade deepspeed", (DS + "8154",)),
-    Known("accelerate/deepspeed-ga-boundary", "accelerate", "<1.8.0", "1.8.0",
-          "accelerate + DeepSpeed with accumulation: DeepSpeed steps at its own count, so with a dataloader whose "
-          "length the accumulation does not divide the last partial window is never applied (silent)",
-          "upgrade accelerate, or make the dataloader's length a multiple of the accumulation steps",
-          ("https://github.com/huggingface/accelerate/pull/3630",), requires={"deepspeed": ">=0"}),
     Known("deepspeed/zero3-moe-leaf-modules", "deepspeed", "<0.18.0", "0.18.0",
           "ZeRO-3 + a sparse mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE): ranks whose tokens reach "
           "different experts wait on each other for ever (a hang)",

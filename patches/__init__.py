@@ -35,4 +35,5 @@ MODULES = (
     "deepspeed.output_hooks_gas_per_tensor",
     "deepspeed.backward_scale_wrt_gas",
     "deepspeed.zero2_grad_accum_last_microbatch",
+    "accelerate.deepspeed_ga_boundary",
 )

@@ -67,7 +67,8 @@ def declared(patch, version, others):
         return gating.FIXED_UPSTREAM
     if not SpecifierSet(patch.affected).contains(v):
         return gating.NOT_AFFECTED
-    if any(not SpecifierSet(wanted).contains(others[other]) for other, wanted in patch.requires.items()):
+    if any(others[other] is None or not SpecifierSet(wanted).contains(others[other])  # None: not installed
+           for other, wanted in patch.requires.items()):
         return gating.NOT_AFFECTED
     if patch.supported and not SpecifierSet(patch.supported).contains(v):
         return gating.UNSUPPORTED
@@ -111,7 +112,8 @@ def test_verdict_of_every_release(pid, version):
         assert _audited(patch, version, without)[0] == other_verdict
         if expected == gating.APPLIES:
             for other, wanted in patch.requires.items():
-                assert f"the bug needs {other}{wanted}; {other} {without[other]} is installed" == other_reason
+                seen = f"{without[other]} is installed" if without[other] else "is not installed"
+                assert f"the bug needs {other}{wanted}; {other} {seen}" == other_reason
     if patch.fixed_marker and expected in (gating.APPLIES, gating.FIXED_UPSTREAM):
         module, qualname = patch.fixed_marker  # upstream's fix is there exactly where the number says so
         has_fix = locate(module) is not None and upstream.definition(locate(module), qualname) is not None

@@ -1,0 +1,41 @@
+"""accelerate/deepspeed-ga-boundary beyond the shared proofs: where accelerate's windows and DeepSpeed's own count agree,
+every patch active leaves the weights stock's to the bit: a dataloader whose length the accumulation divides, at ZeRO-2
+and ZeRO-1, and a loop without `accelerator.accumulate` (no one sets sync_gradients: DeepSpeed keeps counting, where
+accelerate 1.8.0 would step on every micro-step)."""
+import pytest
+
+from dspatch import gating, registry
+
+from conftest import clean_env, last_json, run_python
+
+pytestmark = pytest.mark.stack
+
+PID = "accelerate/deepspeed-ga-boundary"
+
+RUNS = r'''
+import hashlib, json
+from dspatch import _runtime
+from dspatch.patches.accelerate.deepspeed_ga_boundary_reproducers import GA, accelerate_loop
+
+def digest(weights):
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in weights.values())).hexdigest()
+
+runs = {"divides_zero2": accelerate_loop(batches=GA), "divides_zero1": accelerate_loop(batches=GA, stage=1),
+        "no_accumulate": accelerate_loop(accumulate=False)}
+print(json.dumps({"applied": _runtime.applied_ids(), **{name: digest(w) for name, w in runs.items()}}))
+'''
+
+
+@pytest.fixture(scope="module")
+def runs():
+    if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
+        pytest.skip(f"{PID} does not apply to this stack")
+    return {mode: last_json(run_python(["-c", RUNS], env=clean_env(**env), warm="stack"))
+            for mode, env in (("stock", {}), ("every_patch", {"DSPATCH": "1"}))}
+
+
+@pytest.mark.parametrize("name", ["divides_zero2", "divides_zero1", "no_accumulate"])
+def test_where_both_counts_agree_every_patch_leaves_the_weights_stocks(runs, name):
+    stock, patched = runs["stock"], runs["every_patch"]
+    assert stock["applied"] == [] and PID in patched["applied"]
+    assert patched[name] == stock[name]
