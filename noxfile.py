@@ -41,7 +41,8 @@ TF444_DS16 = ["deepspeed==0.16.3", "transformers==4.44.2", "accelerate==0.34.2"]
 # changed pin here reinstalls over that session's own environment (install_once's stamp tells).
 # ds0183: deepspeed 0.18.3 on the mid stack's other pins, the release where the GA scaling moved into output hooks
 SMALL = {"ds0183": ["deepspeed==0.18.3", "transformers==4.57.6", "accelerate==1.10.1"],
-         # ds0182: the last release before that move, where ZeRO-2 kept only the last micro-batch of a window
+         # ds0182: the last release before that move, where ZeRO-2 kept only the last micro-batch of a window (and
+         # no_sync micro-steps went undivided, as on mid and bridge)
          "ds0182": ["deepspeed==0.18.2", "transformers==4.57.6", "accelerate==1.10.1"]}
 
 # The stacks' environments live outside the clone (a clean clone, as CI makes, would otherwise rebuild six of them
@@ -182,8 +183,10 @@ def small_session(name, keywords, own_tests, doc):
 ds0183 = small_session("ds0183", "scale-wrt-gas or gas-per-tensor or output_hooks_gas", ["tests/test_output_hooks_gas.py"],
                        "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
                        "backward-scale-wrt-gas")
-ds0182 = small_session("ds0182", "last-microbatch", [], "ZeRO-2 keeping the last micro-batch: "
-                       "zero2-grad-accum-last-microbatch")
+ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduce",
+                       ["tests/test_grad_accum_scale_no_allreduce.py"],
+                       "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "
+                       "grad-accum-scale-no-allreduce, its other bands' newest releases")
 
 
 @nox.session(python="3.11")

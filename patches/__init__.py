@@ -36,4 +36,5 @@ MODULES = (
     "deepspeed.backward_scale_wrt_gas",
     "deepspeed.zero2_grad_accum_last_microbatch",
     "accelerate.deepspeed_ga_boundary",
+    "deepspeed.grad_accum_scale_no_allreduce",
 )

@@ -1,6 +1,6 @@
 """deepspeed/output-hooks-gas-per-tensor and deepspeed/backward-scale-wrt-gas beyond the shared proofs (the ds0183
 session, deepspeed 0.18.3): where the model's output holds one tensor on the graph, every patch active leaves the
-numbers stock's to the bit, and so does ZeRO-3, which the bug cannot reach; the fixed loop lands on plain torch at
+numbers stock's to the bit, and so do heads side by side and ZeRO-3, which the bug cannot reach; the fixed loop lands on plain torch at
 ZeRO-2 too (the reproducers run ZeRO-1); the two patches compose (each alone sets the Trainer right, in their proofs;
 here both on, the raw loops)."""
 import json
@@ -29,12 +29,35 @@ def digest(w):
 single = engine_weights(loss_of=outside_loss, labels=False)
 divided_itself = engine_weights(loss_of=lambda out, batch: outside_loss(out, batch) / GA, labels=False,
                                 scale_wrt_gas=False)
+# two heads side by side on a shared trunk, a loss computed outside from both: each hook divides its head once (stock
+# is right), and the heads are not on one another's graph
+import torch
+from dspatch.scenario import init_deepspeed
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return {"a": self.a(h), "b": self.b(h)}
+heads = TwoHeads()
+engine, *_ = init_deepspeed().initialize(model=heads, optimizer=torch.optim.SGD(heads.parameters(), lr=0.5),
+                                         config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GA,
+                                                 "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+                                                 "zero_allow_untested_optimizer": True, "steps_per_print": 10**6})
+g = torch.Generator().manual_seed(1)
+for _ in range(2 * GA):
+    out = engine(torch.randn(1, 8, generator=g))
+    engine.backward(out["a"].pow(2).mean() + out["b"].sin().mean())
+    engine.step()
+side_by_side = {n: p.detach().clone() for n, p in heads.named_parameters()}
 want = plain_torch()
 zero3 = engine_weights(3)
 off = {"zero2": worst(engine_weights(2), want), "zero3": worst(zero3, want)}
 off["single_vs_plain"] = worst(single, plain_torch(loss_of=outside_loss))
 off["divided_itself_vs_plain"] = worst(divided_itself, plain_torch(loss_of=outside_loss))
-print(json.dumps({"applied": _runtime.applied_ids(), "single": digest(single), "zero3": digest(zero3), "off": off, "rtol": RTOL}))
+print(json.dumps({"applied": _runtime.applied_ids(), "single": digest(single), "zero3": digest(zero3), "side_by_side": digest(side_by_side), "off": off, "rtol": RTOL}))
 '''
 
 
@@ -48,11 +71,12 @@ def runs():
 
 
 def test_where_the_bug_cannot_happen_every_patch_leaves_stocks_numbers_to_the_bit(runs):
-    """One output tensor on the graph; and ZeRO-3, whose module hooks hand back new output tensors (the loss was
-    computed from the inner logits, so the hooked logits are not on its graph): stock is right, and unchanged."""
+    """One output tensor on the graph; two heads side by side; and ZeRO-3, whose module hooks hand back new output
+    tensors (the loss was computed from the inner logits, so the hooked logits are not on its graph): stock is right,
+    and unchanged."""
     stock, patched = runs["stock"], runs["every_patch"]
     assert stock["applied"] == [] and {HOOKS, SCALE} <= set(patched["applied"])
-    for name in ("single", "zero3"):
+    for name in ("single", "zero3", "side_by_side"):
         assert patched[name] == stock[name], name
     for name in ("single_vs_plain", "zero3"):
         assert stock["off"][name] <= stock["rtol"], name  # stock is right there: nothing to fix

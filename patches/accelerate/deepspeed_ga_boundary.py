@@ -12,13 +12,17 @@ per epoch, while DeepSpeed steps on [1 2 3] [4 1' 2'] and never on [3' 4']; logg
 follow accelerate's steps describe steps DeepSpeed did not take. 1.8.0 fixed it (PR 3630): the wrapper sets
 `engine.set_gradient_accumulation_boundary(sync_gradients)` before the backward and steps only at the boundary.
 
-The fix does so where accelerate decided the boundary of the micro-step: when `sync_gradients` was set since the last
-backward (`accelerator.accumulate` sets it on every micro-step; transformers' Trainer >= 4.46 sets it itself), DeepSpeed
-is told that boundary before the backward, and `engine.step()` runs as before (a micro-step's bookkeeping where it is not
-the boundary). A loop that never sets `sync_gradients` (no `accumulate`) keeps DeepSpeed's own count, as it did: there
-accelerate 1.8.0 would step on every micro-step, which such a loop did not ask for. Where the two counts agree (a
-dataloader whose length the accumulation divides; the Trainer of transformers < 4.46, which counts across epochs as
-DeepSpeed does) nothing changes, to the bit.
+The fix does so where accelerate decided the boundary of the micro-step: when `sync_gradients` was set since the
+engine's last backward (`accelerator.accumulate` sets it on every micro-step; transformers' Trainer >= 4.46 sets it
+itself), each DeepSpeed engine is told that boundary before its backward, and `engine.step()` runs as before (a
+micro-step's bookkeeping where it is not the boundary). It stays out where accelerate's accumulation is not DeepSpeed's:
+- a job that never sets `sync_gradients` (no `accumulate`) keeps DeepSpeed's own count, as it did; accelerate 1.8.0
+  would step on every micro-step there, which such a loop did not ask for (once a job has set it, an engine keeps
+  the boundary it was last told until told again, as with 1.8.0);
+- where accelerate's accumulation steps differ from the engine's (a GA set in the DeepSpeed config file alone, which
+  accelerate < 1.8 does not copy into its own count of 1; 1.8.0 copies it, PR 3632), DeepSpeed keeps its count.
+Where the two counts agree (a dataloader whose length the accumulation divides; the Trainer of transformers < 4.46,
+which counts across epochs as DeepSpeed does) nothing changes, to the bit.
 
 Proven by numbers on the old stack (accelerate 0.34.2, deepspeed 0.14.4): 2 epochs of 4 batches at accumulation 3 in
 a custom `accumulate` loop at ZeRO-2 take accelerate's four steps, as plain torch does (relative 1e-5); stock takes
@@ -36,18 +40,33 @@ FINGERPRINTS = {
 }
 
 
+# Where accelerate's decision for the micro-step is kept: in GradientState's shared state, so that it goes when
+# accelerate's state is reset (a new job in the same process starts with none)
+DECISION = "_dspatch_deepspeed_boundary"
+
+
 def apply(txn):
-    decided = [None]  # accelerate's sync_gradients as last set before the coming backward (None: not set since)
+    import itertools
+    import weakref
+
+    numbers = itertools.count(1)  # tells decisions apart
+    seen = []  # GradientState's shared storage, once a decision was written there
+    taken = weakref.WeakKeyDictionary()  # engine -> the number of the decision it took (each engine takes each once)
 
     def record(wrapped, state, args, kwargs):
         result = wrapped(*args, **kwargs)
-        decided[0] = bool(state.sync_gradients)
+        state.__dict__[DECISION] = (bool(state.sync_gradients), state.num_steps, next(numbers))
+        seen[:] = [state.__dict__]
         return result
 
     def boundary_first(wrapped, wrapper, args, kwargs):
-        sync, decided[0] = decided[0], None
-        if sync is not None:
-            wrapper.engine.set_gradient_accumulation_boundary(sync)
+        engine = wrapper.engine
+        decision = seen[0].get(DECISION) if seen else None
+        # only where both count the same window: accelerate < 1.8 does not copy a GA that the DeepSpeed config alone
+        # sets (accelerate's own stays 1), and there DeepSpeed's count is the one the job means
+        if decision and taken.get(engine) != decision[2] and decision[1] == engine.gradient_accumulation_steps():
+            taken[engine] = decision[2]
+            engine.set_gradient_accumulation_boundary(decision[0])
         return wrapped(*args, **kwargs)
 
     txn.wrap(txn.target(SET_SYNC), record)

@@ -47,10 +47,11 @@ def plain_torch(windows, rows):
     return _weights(model)
 
 
-def accelerate_loop(batches=BATCHES, stage=2, accumulate=True):
+def accelerate_loop(batches=BATCHES, stage=2, accumulate=True, accelerators_ga=GA):
     """The weights after EPOCHS epochs of `with accelerator.accumulate(model): accelerator.backward(out.loss);
     optimizer.step(); optimizer.zero_grad()` under DeepSpeed at ZeRO `stage`, over a dataloader of `batches`
-    (`accumulate=False`: the same loop without `accelerator.accumulate`, DeepSpeed counting alone)."""
+    (`accumulate=False`: the same loop without `accelerator.accumulate`, DeepSpeed counting alone;
+    `accelerators_ga`: the Accelerator's own accumulation, the DeepSpeed config's being GA)."""
     import contextlib
 
     import torch
@@ -65,8 +66,8 @@ def accelerate_loop(batches=BATCHES, stage=2, accumulate=True):
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage}}
     reset_accelerate()
     try:
-        accelerator = Accelerator(gradient_accumulation_steps=GA, deepspeed_plugin=DeepSpeedPlugin(
-            hf_ds_config=config, gradient_accumulation_steps=GA))
+        accelerator = Accelerator(gradient_accumulation_steps=accelerators_ga, deepspeed_plugin=DeepSpeedPlugin(
+            hf_ds_config=config, gradient_accumulation_steps=GA if accelerators_ga == GA else None))
         model = tiny_llama()
         loader = torch.utils.data.DataLoader(_rows()[:batches], batch_size=1)
         engine, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), loader)

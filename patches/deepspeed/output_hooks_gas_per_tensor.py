@@ -17,11 +17,14 @@ are not on its graph). 0.19.6 fixed it (PR 8245):
 `backward` divides the loss itself and marks its graph, and the hooks leave a marked graph alone. The Trainer passes
 `scale_wrt_gas=False`, which the hooks respect from 0.18.4; on 0.18.3 they do not (`deepspeed/backward-scale-wrt-gas`).
 
-The fix does what 0.19.6 does, where the bug can happen: after a forward whose output holds two or more tensors on the
-graph, the next `engine.backward` divides the loss by GA once (when `scale_wrt_gas` asks for it), and while it runs the
-per-tensor hooks pass gradients through. Where the output holds a single tensor (the loss alone, or logits a loss is
-computed from outside), nothing changes: one hook divides once, as it should, and the numbers stay stock's to the bit.
-A direct `loss.backward()` without `engine.backward` is left as it is, as 0.19.6 leaves it.
+The fix does what 0.19.6 does, where the bug can happen: after a forward whose hooked outputs lie on one another's
+graph (found by a search of at most 64 autograd nodes from each), every `engine.backward` divides the loss by GA once
+(when `scale_wrt_gas` asks for it), and while it runs the per-tensor hooks pass gradients through; the engine's next
+forward decides again. Where the output holds a single tensor (the loss alone, or logits a loss is computed from
+outside), or tensors side by side (heads a loss outside reads), nothing changes: each hook divides once, as it should,
+and the numbers stay stock's to the bit. Left as on stock: a direct `loss.backward()` without `engine.backward` (as
+0.19.6 leaves it), and a loss whose graph runs through another engine's output (a GAN's generator step through the
+discriminator engine), which 0.19.6's graph tracking covers and a per-engine decision cannot.
 
 Proven by numbers on deepspeed 0.18.3 (its own session, `ds0183`, with the mid stack's other pins): at accumulation 3,
 two SGD steps of the raw engine loop (ZeRO-1 and ZeRO-2) and of a custom accelerate loop equal plain torch (relative
@@ -69,24 +72,47 @@ def while_in(engines, engine, call):
         engines.discard(engine)
 
 
+# how many autograd nodes the search from one output towards another visits at most: a loss computed from logits
+# reaches them in under ten (shift, view, float, log-softmax, nll...); outputs not found by then count as apart
+NESTED_SEARCH = 64
+
+
+def nested(tensors, limit=NESTED_SEARCH):
+    """Whether one of the hooked output `tensors` lies on the graph of another (the logits under the loss computed
+    from them), where stock divides a gradient once per tensor on its path; outputs side by side (heads read by a loss
+    computed outside) are divided once each on stock, as they should be."""
+    found = {tensor.grad_fn for tensor in tensors}
+    for tensor in tensors:
+        seen, todo = {tensor.grad_fn}, [tensor.grad_fn]
+        while todo and len(seen) <= limit:
+            for node, _ in todo.pop().next_functions:
+                if node is not None and node not in seen:
+                    if node in found:
+                        return True
+                    seen.add(node)
+                    todo.append(node)
+    return False
+
+
 def apply(txn):
     import weakref
 
-    several = weakref.WeakSet()  # engines whose forward, since their last backward, hooked 2+ output tensors
+    import torch
+
+    on_one_path = weakref.WeakSet()  # engines whose last forward hooked outputs that lie on one another's graph
     dividing = weakref.WeakSet()  # engines in a backward that divided the loss itself
 
     def note_hooked(wrapped, manager, args, kwargs):
         result = wrapped(*args, **kwargs)
-        if len(manager.hook_handles) >= 2:  # what forward hooked, for the engine whose bound method divides
-            engine = getattr(manager.preprocess_per_tensor_fn, "__self__", None)
-            if engine is not None:
-                several.add(engine)
+        engine = getattr(manager.preprocess_per_tensor_fn, "__self__", None)
+        if engine is not None and manager.hook_handles:  # what forward hooked, for the engine whose method divides
+            hooked = [t for t in _tensors(torch, args[0] if args else kwargs["outputs"]) if t.grad_fn is not None]
+            (on_one_path.add if nested(hooked) else on_one_path.discard)(engine)
         return result
 
     def divide_at_root(wrapped, engine, args, kwargs):
-        if engine not in several:
+        if engine not in on_one_path:
             return wrapped(*args, **kwargs)
-        several.discard(engine)
         loss, retain_graph, scale_wrt_gas = backward_arguments(*args, **kwargs)
         if scale_wrt_gas:
             loss = loss / engine.gradient_accumulation_steps()
@@ -97,6 +123,18 @@ def apply(txn):
     txn.wrap(txn.target(REGISTER), note_hooked)
     txn.wrap(txn.target(BACKWARD), divide_at_root)
     txn.wrap(txn.target(PER_TENSOR), pass_through_for(dividing))
+
+
+def _tensors(torch, outputs):
+    """The tensors of a forward's output, walked as DeepSpeed walks it to hook them (tensors, tuples, lists, dicts)."""
+    if isinstance(outputs, torch.Tensor):
+        yield outputs
+    elif isinstance(outputs, (tuple, list)):
+        for item in outputs:
+            yield from _tensors(torch, item)
+    elif isinstance(outputs, dict):
+        for value in outputs.values():
+            yield from _tensors(torch, value)
 
 
 PATCH = Patch(
