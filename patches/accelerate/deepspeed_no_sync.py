@@ -44,9 +44,10 @@ the optimizer's full fp32 parameters after 2 optimizer steps of 2 micro-steps, e
   patched equals accelerate 1.10.1 + deepspeed 0.16.3 stock, bit for bit; the Trainer's numbers differ there,
   transformers 4.46.3 against 4.57.6.)
 
-Seen on the way, left alone (upstream's behaviour, fixed releases included): at ZeRO-1, `accumulate` entering
-DeepSpeed's no_sync trains differently from the same loop with `sync_each_batch=True` (third loss 0.0681 against 0.0615
-in this job; DeepSpeed documents that its no_sync disables its tracking of accumulation steps).
+Seen on the way: at ZeRO-1, `accumulate` entering DeepSpeed's no_sync trains differently from the same loop with
+`sync_each_batch=True` (third loss 0.0681 against 0.0615 in this job). It is a DeepSpeed bug of 0.16.0-0.18.2: inside
+no_sync the loss is not divided by the accumulation, so those micro-steps count GA times too much; patched by
+`deepspeed/grad-accum-scale-no-allreduce`.
 """
 from dspatch.spec import Patch, Signature
 
