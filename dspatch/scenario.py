@@ -397,6 +397,66 @@ def sgd_trainer(model, rows, deepspeed, batch, accumulation, steps, lr=0.5):
     return trainer, norms
 
 
+def lm_batches(count, length=8, seed=3):
+    """lm_rows(count, length, seed) as micro-batches of one example each (tensors of shape [1, length])."""
+    import torch
+
+    return [{"input_ids": torch.tensor([row["input_ids"]]), "labels": torch.tensor([row["labels"]])}
+            for row in lm_rows(count, length, seed)]
+
+
+def lm_loss(model, batch):
+    """The model's own loss on a micro-batch with labels."""
+    return model(**batch).loss
+
+
+def weights(model):
+    """{name: a copy of the parameter} of a model, as it holds them (ZeRO-3 partitions: see gathered_whole)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def worst(got, want):
+    """The largest relative difference (norm of the difference over the norm) between two sets of weights."""
+    return max(float((got[name] - want[name]).norm() / want[name].norm()) for name in want)
+
+
+def digest(named_weights):
+    """A hash of a set of weights' bytes, in order: equal only where the weights are bit-identical."""
+    import hashlib
+
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in named_weights.values())).hexdigest()
+
+
+def windows(micro_batches, accumulation, divisor=None):
+    """`micro_batches` cut into accumulation windows, each micro-batch paired with the number its loss is divided by:
+    `divisor(position in the window)`, `accumulation` where None is given; a divisor of None leaves that micro-batch
+    out (as a bug that drops it does)."""
+    steps = []
+    for start in range(0, len(micro_batches), accumulation):
+        window = []
+        for position, batch in enumerate(micro_batches[start:start + accumulation]):
+            by = divisor(position) if divisor else accumulation
+            if by is not None:
+                window.append((batch, by))
+        steps.append(window)
+    return steps
+
+
+def sgd_windows(model, steps, lr, loss_of=lm_loss):
+    """`model`'s weights after one plain-torch SGD step per window of `steps` (lists of (micro-batch, divisor), see
+    windows()): each `loss_of(model, micro-batch) / divisor` back-propagated, then the step. The reference of the
+    silent gradient bugs' reproducers: a bug's shape is the same steps with other windows or divisors."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for window in steps:
+        for batch, by in window:
+            (loss_of(model, batch) / by).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return weights(model)
+
+
 def word_tokenizer(vocab, folder=None, **special):
     """A fast tokenizer made in code (nothing from a hub): one token per whitespace-separated word of `vocab`
     (a list or {word: id}), `special` its special tokens (pad_token="<pad>", ...; padding_side too). Saved to

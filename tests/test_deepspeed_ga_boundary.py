@@ -14,12 +14,10 @@ pytestmark = pytest.mark.stack
 PID = "accelerate/deepspeed-ga-boundary"
 
 RUNS = r'''
-import hashlib, json
+import json
 from dspatch import _runtime
 from dspatch.patches.accelerate.deepspeed_ga_boundary_reproducers import GA, accelerate_loop
-
-def digest(weights):
-    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in weights.values())).hexdigest()
+from dspatch.scenario import digest
 
 runs = {"divides_zero2": accelerate_loop(batches=GA), "divides_zero1": accelerate_loop(batches=GA, stage=1),
         "no_accumulate": accelerate_loop(accumulate=False), "ga_in_deepspeed_config_only": accelerate_loop(accelerators_ga=1)}

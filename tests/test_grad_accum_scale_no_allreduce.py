@@ -16,13 +16,11 @@ pytestmark = pytest.mark.stack
 PID = "deepspeed/grad-accum-scale-no-allreduce"
 
 RUNS = r'''
-import hashlib, json
+import json
 from dspatch import _runtime
 from dspatch.patches.deepspeed.grad_accum_scale_no_allreduce_reproducers import engine_loop, pipeline_weights
-from dspatch.patches.deepspeed.output_hooks_gas_per_tensor_reproducers import RTOL, worst
-
-def digest(weights):
-    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in weights.values())).hexdigest()
+from dspatch.patches.deepspeed.output_hooks_gas_per_tensor_reproducers import RTOL
+from dspatch.scenario import digest, worst
 
 plain = engine_loop(no_sync=False)
 runs = {"zero1": plain, "zero2": engine_loop(stage=2, no_sync=False), "pipeline_ga1": pipeline_weights(1)}

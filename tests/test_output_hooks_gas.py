@@ -16,14 +16,12 @@ pytestmark = pytest.mark.stack
 HOOKS, SCALE = "deepspeed/output-hooks-gas-per-tensor", "deepspeed/backward-scale-wrt-gas"
 
 RUNS = r'''
-import hashlib, json
+import json
 from dspatch import _runtime
 from dspatch.patches.deepspeed.output_hooks_gas_per_tensor_reproducers import (
-    GA, RTOL, engine_weights, plain_torch, worst)
+    GA, RTOL, _config, engine_weights, plain_torch)
 from dspatch.patches.deepspeed.backward_scale_wrt_gas_reproducers import outside_loss
-
-def digest(w):
-    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in w.values())).hexdigest()
+from dspatch.scenario import digest, weights, worst
 
 # one tensor on the graph: the logits, a loss computed from them outside (no bug: one hook divides once)
 single = engine_weights(loss_of=outside_loss, labels=False)
@@ -43,15 +41,13 @@ class TwoHeads(torch.nn.Module):
         return {"a": self.a(h), "b": self.b(h)}
 heads = TwoHeads()
 engine, *_ = init_deepspeed().initialize(model=heads, optimizer=torch.optim.SGD(heads.parameters(), lr=0.5),
-                                         config={"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": GA,
-                                                 "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
-                                                 "zero_allow_untested_optimizer": True, "steps_per_print": 10**6})
+                                         config=_config(stage=1))
 g = torch.Generator().manual_seed(1)
 for _ in range(2 * GA):
     out = engine(torch.randn(1, 8, generator=g))
     engine.backward(out["a"].pow(2).mean() + out["b"].sin().mean())
     engine.step()
-side_by_side = {n: p.detach().clone() for n, p in heads.named_parameters()}
+side_by_side = weights(heads)
 want = plain_torch()
 zero3 = engine_weights(3)
 off = {"zero2": worst(engine_weights(2), want), "zero3": worst(zero3, want)}

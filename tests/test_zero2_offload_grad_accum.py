@@ -16,16 +16,16 @@ PID = "deepspeed/zero2-offload-grad-accum"
 PATCH = registry.all_patches()[PID]
 
 WEIGHTS = r'''
-import hashlib, json, sys
+import json
 from dspatch import _runtime
-from dspatch.patches.deepspeed.zero2_offload_grad_accum_reproducers import RTOL, _worst, engine_weights
+from dspatch.patches.deepspeed.zero2_offload_grad_accum_reproducers import RTOL, engine_weights
+from dspatch.scenario import digest, worst
 runs = {"zero1_offload_ga3": (1, 3, True), "zero2_offload_ga2": (2, 2, True), "zero2_ga3": (2, 3, False),
         "zero2_offload_ga3": (2, 3, True)}
 weights = {name: engine_weights(*how) for name, how in runs.items()}
-digest = {name: hashlib.sha256(b"".join(t.numpy().tobytes() for t in w.values())).hexdigest()
-          for name, w in weights.items()}
-off = _worst(weights["zero2_offload_ga3"], weights["zero1_offload_ga3"])
-print(json.dumps({"applied": _runtime.applied_ids(), "digest": digest, "zero2_off_zero1": off, "rtol": RTOL}))
+off = worst(weights["zero2_offload_ga3"], weights["zero1_offload_ga3"])
+print(json.dumps({"applied": _runtime.applied_ids(), "digest": {name: digest(w) for name, w in weights.items()},
+                  "zero2_off_zero1": off, "rtol": RTOL}))
 '''
 
 

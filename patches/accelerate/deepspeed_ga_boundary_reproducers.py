@@ -15,36 +15,20 @@ from dspatch.spec import BugSeen
 GA, BATCHES, EPOCHS, LR, RTOL = 3, 4, 2, 0.5, 1e-5
 
 
-def _rows():
-    import torch
+def _micro_batches():
+    """The epochs' micro-batches in order (the dataloader's batches of one example, EPOCHS times)."""
+    from dspatch.scenario import lm_batches
 
-    from dspatch.scenario import lm_rows
-
-    return [{"input_ids": torch.tensor(row["input_ids"]), "labels": torch.tensor(row["labels"])}
-            for row in lm_rows(BATCHES, 8)]
+    return lm_batches(BATCHES) * EPOCHS
 
 
-def _weights(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def plain_torch(windows, rows):
+def plain_torch(index_windows):
     """The weights after one SGD step per window (lists of micro-batch indices into the epochs' sequence), each
     micro-batch's loss divided by GA, as accelerate's loop divides it."""
-    import torch
+    from dspatch.scenario import sgd_windows, tiny_llama
 
-    from dspatch.scenario import tiny_llama
-
-    sequence = [rows[i % len(rows)] for i in range(BATCHES * EPOCHS)]
-    model = tiny_llama()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for window in windows:
-        for index in window:
-            batch = {key: value.unsqueeze(0) for key, value in sequence[index].items()}
-            (model(**batch).loss / GA).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return _weights(model)
+    sequence = _micro_batches()
+    return sgd_windows(tiny_llama(), [[(sequence[i], GA) for i in window] for window in index_windows], LR)
 
 
 def accelerate_loop(batches=BATCHES, stage=2, accumulate=True, accelerators_ga=GA):
@@ -56,7 +40,7 @@ def accelerate_loop(batches=BATCHES, stage=2, accumulate=True, accelerators_ga=G
 
     import torch
 
-    from dspatch.scenario import init_deepspeed, reset_accelerate, tiny_llama
+    from dspatch.scenario import init_deepspeed, lm_batches, reset_accelerate, tiny_llama, weights
 
     init_deepspeed()
     from accelerate import Accelerator
@@ -69,7 +53,8 @@ def accelerate_loop(batches=BATCHES, stage=2, accumulate=True, accelerators_ga=G
         accelerator = Accelerator(gradient_accumulation_steps=accelerators_ga, deepspeed_plugin=DeepSpeedPlugin(
             hf_ds_config=config, gradient_accumulation_steps=GA if accelerators_ga == GA else None))
         model = tiny_llama()
-        loader = torch.utils.data.DataLoader(_rows()[:batches], batch_size=1)
+        rows = [{key: value[0] for key, value in batch.items()} for batch in lm_batches(BATCHES)[:batches]]
+        loader = torch.utils.data.DataLoader(rows, batch_size=1)
         engine, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), loader)
         if type(engine).__name__ != "DeepSpeedEngine" or engine.gradient_accumulation_steps() != GA:
             raise AssertionError(f"accelerate prepared {type(engine).__name__}, not DeepSpeed at accumulation {GA}")
@@ -81,22 +66,19 @@ def accelerate_loop(batches=BATCHES, stage=2, accumulate=True, accelerators_ga=G
                     optimizer.zero_grad()
     finally:
         reset_accelerate()
-    return _weights(model)
-
-
-def _worst(got, want):
-    return max(float((got[name] - want[name]).norm() / want[name].norm()) for name in want)
+    return weights(model)
 
 
 def epochs_ga_does_not_divide():
     """4 batches per epoch at accumulation 3, 2 epochs: the steps accelerate's accumulation means (per epoch, [1, 2, 3]
     and [4]), as plain torch takes them."""
-    rows = _rows()
+    from dspatch.scenario import worst
+
     got = accelerate_loop()
-    off = _worst(got, plain_torch([[0, 1, 2], [3], [4, 5, 6], [7]], rows))
+    off = worst(got, plain_torch([[0, 1, 2], [3], [4, 5, 6], [7]]))
     if off <= RTOL:
         return
-    if _worst(got, plain_torch([[0, 1, 2], [3, 4, 5]], rows)) <= RTOL:
+    if worst(got, plain_torch([[0, 1, 2], [3, 4, 5]])) <= RTOL:
         raise BugSeen(f"accelerator.accumulate with DeepSpeed, {BATCHES} batches per epoch at accumulation {GA}: "
                       f"DeepSpeed stepped at its own count, windows across epochs, the last one never applied "
                       f"(weights {off:.0%} off accelerate's steps)")

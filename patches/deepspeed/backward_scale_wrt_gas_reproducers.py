@@ -11,9 +11,10 @@ of another shape than "GA (or GA^2) times too small" is an error, not the bug.
 
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
+from dspatch.scenario import weights, worst
 from dspatch.spec import BugSeen
 from dspatch.patches.deepspeed.output_hooks_gas_per_tensor_reproducers import (
-    GA, LR, RTOL, STEPS, batches, engine_weights, plain_torch, weights, worst)
+    GA, LR, RTOL, STEPS, engine_weights, plain_torch)
 
 
 def outside_loss(out, batch):
@@ -57,7 +58,7 @@ def trainer():
 
 def _trainer(stage):
     """(grad_norm of each step, final weights) of the Trainer at accumulation GA; `stage` None: without DeepSpeed."""
-    from dspatch.scenario import init_deepspeed, sgd_trainer, tiny_llama
+    from dspatch.scenario import init_deepspeed, lm_rows, sgd_trainer, tiny_llama
 
     config = None
     if stage is not None:
@@ -65,7 +66,7 @@ def _trainer(stage):
         config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                   "gradient_clipping": "auto", "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
                   "zero_optimization": {"stage": stage}}
-    rows = [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist()} for b in batches()]
+    rows = lm_rows(STEPS * GA, 8)  # the engine loops' micro-batches, as the Trainer's dataset
     model = tiny_llama()
     trainer, norms = sgd_trainer(model, rows, config, 1, GA, STEPS, lr=LR)
     if stage is not None and trainer.deepspeed.gradient_accumulation_steps() != GA:

@@ -10,9 +10,9 @@ they are plain torch's with exactly those micro-steps left undivided, and fails 
 
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
+from dspatch.scenario import lm_batches, lm_loss, sgd_windows, weights, windows, worst
 from dspatch.spec import BugSeen
-from dspatch.patches.deepspeed.output_hooks_gas_per_tensor_reproducers import (
-    GA, LR, RTOL, STEPS, batches, weights, worst)
+from dspatch.patches.deepspeed.output_hooks_gas_per_tensor_reproducers import GA, LR, RTOL, STEPS
 
 
 def _config(stage=1, **extra):
@@ -21,33 +21,17 @@ def _config(stage=1, **extra):
             **extra}
 
 
-def _plain(model, micro_batches, loss_of, undivided=()):
-    """`model`'s weights after STEPS SGD steps over `micro_batches`, each loss divided by GA but for the micro-steps
-    (index in the window) in `undivided`."""
-    import torch
-
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step, batch in enumerate(micro_batches):
-        loss = loss_of(model, batch)
-        (loss if step % GA in undivided else loss / GA).backward()
-        if (step + 1) % GA == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-    return weights(model)
-
-
 def _judge(got, make, micro_batches, loss_of, undivided, what):
-    off = worst(got, _plain(make(), micro_batches, loss_of))
+    """Plain torch's weights (`make()`, SGD over `micro_batches`), or BugSeen(what...) where they are plain torch's
+    with the micro-steps at the window positions `undivided` left undivided."""
+    off = worst(got, sgd_windows(make(), windows(micro_batches, GA), LR, loss_of))
     if off <= RTOL:
         return
-    if worst(got, _plain(make(), micro_batches, loss_of, undivided)) <= RTOL:
+    left = windows(micro_batches, GA, lambda position: 1 if position in undivided else GA)
+    if worst(got, sgd_windows(make(), left, LR, loss_of)) <= RTOL:
         raise BugSeen(f"{what}, accumulation {GA}: those micro-steps' loss not divided by {GA} (weights {off:.0%} off "
                       f"plain torch)")
     raise AssertionError(f"{what}: weights {off:.2e} off plain torch, and not as this bug scales them")
-
-
-def _llama_loss(model, batch):
-    return model(**batch).loss
 
 
 def engine_loop(stage=1, no_sync=True):
@@ -63,7 +47,7 @@ def engine_loop(stage=1, no_sync=True):
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                       config=_config(stage))
-    for batch in batches():
+    for batch in lm_batches(STEPS * GA):
         inside = no_sync and not engine.is_gradient_accumulation_boundary()
         with engine.no_sync() if inside else contextlib.nullcontext():
             engine.backward(engine(**batch).loss)
@@ -76,7 +60,7 @@ def no_sync_loop():
     on the last, `engine.step()` after each, at ZeRO-1: plain torch's weights."""
     from dspatch.scenario import tiny_llama
 
-    _judge(engine_loop(), tiny_llama, batches(), _llama_loss, range(GA - 1),
+    _judge(engine_loop(), tiny_llama, lm_batches(STEPS * GA), lm_loss, range(GA - 1),
            "engine.no_sync() around the micro-steps before a window's last")
 
 

@@ -23,12 +23,9 @@ def _config(stage=1, **extra):
 
 
 def batches(count=STEPS * GA):
-    import torch
+    from dspatch.scenario import lm_batches
 
-    from dspatch.scenario import lm_rows
-
-    return [{"input_ids": torch.tensor([row["input_ids"]]), "labels": torch.tensor([row["labels"]])}
-            for row in lm_rows(count, 8)]
+    return lm_batches(count)
 
 
 def model_loss(out, batch):
@@ -38,27 +35,10 @@ def model_loss(out, batch):
 def plain_torch(lr=LR, accumulation=GA, loss_of=model_loss):
     """The weights after STEPS SGD steps without DeepSpeed, each micro-batch's loss (`loss_of(output, batch)`)
     divided by `accumulation`."""
-    import torch
+    from dspatch.scenario import sgd_windows, tiny_llama, windows
 
-    from dspatch.scenario import tiny_llama
-
-    model = tiny_llama()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    for step, batch in enumerate(batches(STEPS * accumulation)):
-        (loss_of(model(**batch), batch) / accumulation).backward()
-        if (step + 1) % accumulation == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-    return weights(model)
-
-
-def weights(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def worst(got, want):
-    """The largest relative difference between two sets of weights."""
-    return max(float((got[name] - want[name]).norm() / want[name].norm()) for name in want)
+    return sgd_windows(tiny_llama(), windows(batches(STEPS * accumulation), accumulation), lr,
+                       lambda model, batch: loss_of(model(**batch), batch))
 
 
 def engine_weights(stage=1, loss_of=model_loss, labels=True, **backward):
@@ -66,7 +46,7 @@ def engine_weights(stage=1, loss_of=model_loss, labels=True, **backward):
     engine.step()`; `labels=False`: the model is called with the input ids alone (its output: the logits)."""
     import torch
 
-    from dspatch.scenario import init_deepspeed, tiny_llama
+    from dspatch.scenario import init_deepspeed, tiny_llama, weights
 
     deepspeed = init_deepspeed()
     model = tiny_llama()
@@ -83,6 +63,8 @@ def engine_weights(stage=1, loss_of=model_loss, labels=True, **backward):
 
 
 def judge(got, what):
+    from dspatch.scenario import worst
+
     off = worst(got, plain_torch())
     if off <= RTOL:
         return
@@ -103,7 +85,7 @@ def accelerate_loop():
     `optimizer.step()`, `optimizer.zero_grad()`) with the DeepSpeed plugin at accumulation 3: plain torch's weights."""
     import torch
 
-    from dspatch.scenario import init_deepspeed, reset_accelerate, tiny_llama
+    from dspatch.scenario import init_deepspeed, reset_accelerate, tiny_llama, weights
 
     init_deepspeed()
     from accelerate import Accelerator

@@ -28,15 +28,6 @@ def _config(stage, accumulation, offload=True, **extra):
             "zero_force_ds_cpu_optimizer": False, "zero_optimization": zero, **extra}
 
 
-def _batches(count):
-    import torch
-
-    from dspatch.scenario import lm_rows
-
-    return [{"input_ids": torch.tensor([row["input_ids"]]), "labels": torch.tensor([row["labels"]])}
-            for row in lm_rows(count, 8)]
-
-
 def _first_and_last(index, accumulation):
     return index in (0, accumulation - 1)
 
@@ -44,53 +35,41 @@ def _first_and_last(index, accumulation):
 def _plain_torch(batches, accumulation, kept=None):
     """The weights after STEPS SGD steps without DeepSpeed; `kept(index, accumulation)`: only the micro-batches of each
     window it accepts, as a bug takes them."""
-    import torch
+    from dspatch.scenario import sgd_windows, tiny_llama, windows
 
-    from dspatch.scenario import tiny_llama
+    def divisor(index):
+        return accumulation if not kept or kept(index, accumulation) else None
 
-    model = tiny_llama()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        window = batches[step * accumulation:(step + 1) * accumulation]
-        for index, batch in enumerate(window):
-            if kept and not kept(index, accumulation):
-                continue
-            (model(**batch).loss / accumulation).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def _worst(got, want):
-    """The largest relative difference between two sets of weights."""
-    return max(float((got[name] - want[name]).norm() / want[name].norm()) for name in want)
+    return sgd_windows(tiny_llama(), windows(batches[:STEPS * accumulation], accumulation, divisor), LR)
 
 
 def engine_weights(stage, accumulation, offload=True):
     """The weights after STEPS SGD steps of `engine.backward(loss); engine.step()` over one micro-batch at a time."""
     import torch
 
-    from dspatch.scenario import init_deepspeed, tiny_llama
+    from dspatch.scenario import init_deepspeed, lm_batches, tiny_llama, weights
 
     deepspeed = init_deepspeed()
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                                       config=_config(stage, accumulation, offload))
-    for batch in _batches(STEPS * accumulation):
+    for batch in lm_batches(STEPS * accumulation):
         engine.backward(engine(**batch).loss)
         engine.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return weights(model)
 
 
 def engine_loop(accumulation, offload, kept, what):
     """ZeRO-2's weights after STEPS SGD steps of the raw loop: plain torch's, or BugSeen(what...) where they are
     plain torch's with only the micro-batches `kept` accepts."""
-    batches = _batches(STEPS * accumulation)
+    from dspatch.scenario import lm_batches, worst
+
+    batches = lm_batches(STEPS * accumulation)
     got = engine_weights(2, accumulation, offload)
-    off = _worst(got, _plain_torch(batches, accumulation))
+    off = worst(got, _plain_torch(batches, accumulation))
     if off <= RTOL:
         return
-    if _worst(got, _plain_torch(batches, accumulation, kept=kept)) <= RTOL:
+    if worst(got, _plain_torch(batches, accumulation, kept=kept)) <= RTOL:
         raise BugSeen(f"{what} (weights {off:.0%} off plain torch)")
     raise AssertionError(f"weights {off:.2e} off plain torch, and not as this bug drops micro-batches")
 
@@ -110,9 +89,11 @@ def trainer_ga4():
 def zero2_against_zero1(what, offload):
     """The Trainer at accumulation 4 at ZeRO-2 and at ZeRO-1 (right on every release): the same grad_norm at every
     step and the same weights, or BugSeen(what...) where every step's grad_norm and the weights differ."""
+    from dspatch.scenario import worst
+
     zero2, zero1 = _trainer(2, offload=offload), _trainer(1, offload=offload)
     norms = [(a, b) for a, b in zip(zero2[0], zero1[0]) if abs(a - b) > RTOL * max(abs(a), abs(b))]
-    off = _worst(zero2[1], zero1[1])
+    off = worst(zero2[1], zero1[1])
     if not norms and off <= RTOL:
         return
     if len(norms) == STEPS and off > RTOL:  # the bug's shape here: every step's gradient, and so the weights
@@ -123,11 +104,10 @@ def zero2_against_zero1(what, offload):
 
 def _trainer(stage, accumulation=4, offload=True):
     """(grad_norm of each step, final weights) of the Trainer at ZeRO `stage` (the optimizer offloaded or not)."""
-    from dspatch.scenario import init_deepspeed, sgd_trainer, tiny_llama
+    from dspatch.scenario import init_deepspeed, lm_rows, sgd_trainer, tiny_llama, weights
 
     init_deepspeed()
-    rows = [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist()}
-            for b in _batches(STEPS * accumulation)]
+    rows = lm_rows(STEPS * accumulation, 8)  # the engine loop's micro-batches, as the Trainer's dataset
     config = _config(stage, "auto", offload, train_micro_batch_size_per_gpu="auto", gradient_clipping="auto")
     model = tiny_llama()
     trainer, norms = sgd_trainer(model, rows, config, 1, accumulation, STEPS, lr=LR)
@@ -136,7 +116,7 @@ def _trainer(stage, accumulation=4, offload=True):
                       engine.gradient_accumulation_steps())
     if ran != (stage, offload, accumulation):
         raise AssertionError(f"the Trainer ran (ZeRO stage, offload, GA) {ran}, wanted {(stage, offload, accumulation)}")
-    return norms, {name: p.detach().clone() for name, p in model.named_parameters()}
+    return norms, weights(model)
 
 
 SCENARIOS = {"engine_loop_ga3": engine_loop_ga3, "trainer_ga4": trainer_ga4}
