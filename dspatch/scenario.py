@@ -38,6 +38,17 @@ def init_deepspeed():
     return deepspeed
 
 
+def on_accelerator(tensor):
+    """`tensor` where DeepSpeed trains: the tensor itself on the CPU recipe (so CI's numbers are untouched), its copy
+    on the GPU where the reproducers run with DS_ACCELERATOR=cuda. Inputs are built on the CPU from seeded CPU
+    generators either way, so both see the same data."""
+    if os.environ.get("DS_ACCELERATOR", "cpu") == "cpu":
+        return tensor
+    from deepspeed.accelerator import get_accelerator
+
+    return tensor.to(get_accelerator().current_device_name())
+
+
 def leave_distributed():
     """Destroy the default process group, if any, before the interpreter exits: left to interpreter teardown,
     gloo's threads can abort the process ("terminate called without an active exception", exit -6) after all

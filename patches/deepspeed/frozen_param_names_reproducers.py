@@ -4,6 +4,7 @@ Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
 import os
 
+from dspatch.scenario import on_accelerator
 from dspatch.spec import BugSeen
 from dspatch.patches.deepspeed.frozen_param_names import REPLACED
 
@@ -50,7 +51,7 @@ def train(engine, steps=2):
 
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        loss = engine(torch.randn(2, 8, generator=generator))
+        loss = engine(on_accelerator(torch.randn(2, 8, generator=generator)))
         engine.backward(loss)
         engine.step()
 
@@ -81,7 +82,7 @@ def replace_weight(engine, name, value, zero3):
         with deepspeed.zero.GatheredParameters([new], modifier_rank=0):
             new.data.copy_(value)
     else:
-        new = torch.nn.Parameter(value.clone(), requires_grad=not frozen)
+        new = torch.nn.Parameter(on_accelerator(value.clone()), requires_grad=not frozen)
     setattr(owner, attr, new)
     return new
 
@@ -213,7 +214,7 @@ def accelerate_set_module_tensor():
     train(engine)
     module = engine.module
     for name, value in (("base.weight", torch.full((8, 8), 0.125)), ("base.bias", torch.full((8,), -0.5))):
-        set_module_tensor_to_device(module, name, "cpu", value=value)
+        set_module_tensor_to_device(module, name, on_accelerator(value).device, value=value)
     train(engine, 1)
     saved = snapshot(engine)
     with tempfile.TemporaryDirectory() as path:

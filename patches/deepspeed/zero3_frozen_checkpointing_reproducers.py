@@ -2,6 +2,7 @@
 
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
+from dspatch.scenario import on_accelerator
 from dspatch.spec import BugSeen
 from dspatch.patches.deepspeed.zero3_frozen_checkpointing import CHECKPOINT_ERROR
 
@@ -77,7 +78,7 @@ def train_plain(mode, steps=3, accumulation=1, gathered=None, all_trainable=Fals
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps * accumulation):
-        x = torch.randn(2, 8, generator=generator)
+        x = on_accelerator(torch.randn(2, 8, generator=generator))
         if mode is True:
             x.requires_grad_(True)  # reentrant checkpointing needs an input that requires grad
         loss = engine(x)

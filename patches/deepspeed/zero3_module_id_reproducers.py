@@ -2,6 +2,7 @@
 
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
+from dspatch.scenario import on_accelerator
 from dspatch.spec import BugSeen
 
 
@@ -39,7 +40,7 @@ def _train(engine, steps):
 
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        loss = engine(torch.randn(2, 8, generator=generator))
+        loss = engine(on_accelerator(torch.randn(2, 8, generator=generator)))
         engine.backward(loss)
         engine.step()
 

@@ -5,6 +5,7 @@ ModulesToSaveWrapper: what the wrapper's copy must become), losses and trained w
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
 from dspatch.patches.deepspeed.zero3_modules_to_save_grads import MISSING
+from dspatch.scenario import on_accelerator
 from dspatch.spec import BugSeen
 
 STEPS = 2
@@ -110,8 +111,8 @@ def initialize_run(wrapped):
     generator = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(STEPS):
-        ids = torch.randint(4, 64, (2, 12), generator=generator)
-        labels = torch.randint(0, 3, (2,), generator=generator)
+        ids = on_accelerator(torch.randint(4, 64, (2, 12), generator=generator))
+        labels = on_accelerator(torch.randint(0, 3, (2,), generator=generator))
         try:  # stock fails in the first forward already (the head's reused function counts on the child)
             loss = engine(input_ids=ids, labels=labels).loss
             engine.backward(loss)

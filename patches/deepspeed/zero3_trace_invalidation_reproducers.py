@@ -9,6 +9,7 @@ Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 import contextlib
 
 from dspatch.patches.deepspeed.zero3_trace_invalidation import DEQUE
+from dspatch.scenario import on_accelerator
 from dspatch.spec import BugSeen
 
 STEPS = 4
@@ -45,7 +46,7 @@ def _config():
 def _batch(step):
     import torch
 
-    return torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(100 + step))
+    return on_accelerator(torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(100 + step)))
 
 
 def _train_step(engine, step):
@@ -89,7 +90,7 @@ def deepspeeds_unwrap(engine):
 def _generate(engine, unwrap):
     import torch
 
-    prompt = torch.tensor([[1, 5, 9, 13], [1, 7, 11, 17]])
+    prompt = on_accelerator(torch.tensor([[1, 5, 9, 13], [1, 7, 11, 17]]))
     with unwrap(engine) as unwrapped, torch.no_grad():
         model = getattr(unwrapped, "module", unwrapped)
         return model.policy.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,

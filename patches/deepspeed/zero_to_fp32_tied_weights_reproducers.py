@@ -5,6 +5,7 @@ deepspeed's own zero_to_fp32 with safe_serialization=True.
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
 from dspatch.patches.deepspeed.zero_to_fp32_tied_weights import SHARED
+from dspatch.scenario import on_accelerator
 from dspatch.spec import BugSeen
 
 
@@ -22,12 +23,12 @@ def _trained(stage, root):
     config = zero3_config()
     config["zero_optimization"] = {"stage": stage} if stage < 3 else config["zero_optimization"]
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = on_accelerator(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     engine.save_checkpoint(f"{root}/ckpt")
     with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):
-        weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        weights = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
     model.config.save_pretrained(f"{root}/out")  # the converted folder, as a user makes it loadable
     return weights
 
