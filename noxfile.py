@@ -174,19 +174,22 @@ def small_session(name, keywords, own_tests, doc):
         tests = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py",
                  "tests/test_proofs_bands.py", *own_tests]
         session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", keywords, *session.posargs,
-                    env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS)})
+                    env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS),
+                         "DSPATCH_SMALL": json.dumps(SMALL)})
 
     run.__doc__ = f"{doc} ({', '.join(SMALL[name])}, torch 2.13 CPU)"
     return run
 
 
-ds0183 = small_session("ds0183", "scale-wrt-gas or gas-per-tensor or output_hooks_gas", ["tests/test_output_hooks_gas.py"],
+ds0183 = small_session("ds0183", "scale-wrt-gas or gas-per-tensor or output_hooks_gas or bf16",
+                       ["tests/test_output_hooks_gas.py", "tests/test_zero0_bf16_grads.py"],
                        "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
-                       "backward-scale-wrt-gas")
-ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduce",
-                       ["tests/test_grad_accum_scale_no_allreduce.py"],
+                       "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads)")
+ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduce or bf16",
+                       ["tests/test_grad_accum_scale_no_allreduce.py", "tests/test_zero0_bf16_grads.py"],
                        "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "
-                       "grad-accum-scale-no-allreduce, its other bands' newest releases")
+                       "grad-accum-scale-no-allreduce, its other bands' newest releases; bf16 at stage 0 "
+                       "(zero0-bf16-grads)")
 
 
 @nox.session(python="3.11")

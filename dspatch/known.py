@@ -46,9 +46,6 @@ def in_range(item, version):
 DS = "https://github.com/deepspeedai/DeepSpeed/pull/"
 
 KNOWN = (
-    Known("deepspeed/zero0-bf16-grads", "deepspeed", ">=0.17.6,<0.18.6", "0.18.6",
-          "bf16 at ZeRO stage 0: gradients are never cleared between steps, and from 0.18.3 are 65536 times too "
-          "small (silent)", "upgrade deepspeed, or use ZeRO-1 with bf16", (DS + "7839",)),
     Known("deepspeed/pipe-grad-accum-scale", "deepspeed", ">=0.18.3,<0.19.3", "0.19.3",
           "pipeline parallelism (2+ stages) + accumulation: each stage but the last divides its gradients by the "
           "accumulation steps again for every later stage (silent; 0.16.0-0.18.2's cause, no division at all, is "

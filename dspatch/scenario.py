@@ -379,11 +379,12 @@ def train_with_deepspeed(trainer, error, reword):
         reset_accelerate()
 
 
-def sgd_trainer(model, rows, deepspeed, batch, accumulation, steps, lr=0.5):
+def sgd_trainer(model, rows, deepspeed, batch, accumulation, steps, lr=0.5, **arguments):
     """trainer.train() of a real Trainer with plain SGD at a constant rate and no effective clipping (an update is the
     gradient itself), logging grad_norm at every optimizer step: for the silent gradient bugs, proven by numbers.
     `deepspeed` is its DeepSpeed config, or None for the same run without DeepSpeed (on the CPU). Returns (the
-    trainer, the grad_norm of each step); accelerate's state is reset before and after."""
+    trainer, the grad_norm of each step); accelerate's state is reset before and after. `arguments`: more
+    TrainingArguments (bf16=True, say)."""
     import tempfile
 
     from transformers import Trainer, TrainingArguments
@@ -394,7 +395,7 @@ def sgd_trainer(model, rows, deepspeed, batch, accumulation, steps, lr=0.5):
                                  max_steps=steps, optim="sgd", learning_rate=lr, lr_scheduler_type="constant",
                                  max_grad_norm=1e9, logging_steps=1, save_strategy="no", report_to=[],
                                  deepspeed=deepspeed, use_cpu=deepspeed is None, dataloader_num_workers=0, seed=0,
-                                 data_seed=0)
+                                 data_seed=0, **arguments)
         trainer = Trainer(model=model, args=args, train_dataset=rows)
         if trainer.is_deepspeed_enabled != (deepspeed is not None):
             raise AssertionError(f"the Trainer's DeepSpeed: {trainer.is_deepspeed_enabled}, wanted {deepspeed}")

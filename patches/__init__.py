@@ -37,4 +37,5 @@ MODULES = (
     "deepspeed.zero2_grad_accum_last_microbatch",
     "accelerate.deepspeed_ga_boundary",
     "deepspeed.grad_accum_scale_no_allreduce",
+    "deepspeed.zero0_bf16_grads",
 )

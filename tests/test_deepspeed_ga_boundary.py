@@ -5,9 +5,8 @@ accelerate 1.8.0 would step on every micro-step), and a GA set in the DeepSpeed 
 itself: DeepSpeed's count is the one the job means)."""
 import pytest
 
-from dspatch import gating, registry
 
-from conftest import clean_env, last_json, run_python
+from conftest import stock_and_patched
 
 pytestmark = pytest.mark.stack
 
@@ -27,10 +26,7 @@ print(json.dumps({"applied": _runtime.applied_ids(), **{name: digest(w) for name
 
 @pytest.fixture(scope="module")
 def runs():
-    if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply to this stack")
-    return {mode: last_json(run_python(["-c", RUNS], env=clean_env(**env), warm="stack"))
-            for mode, env in (("stock", {}), ("every_patch", {"DSPATCH": "1"}))}
+    return stock_and_patched([PID], RUNS, {"DSPATCH": "1"}, "every_patch")
 
 
 @pytest.mark.parametrize("name", ["divides_zero2", "divides_zero1", "no_accumulate", "ga_in_deepspeed_config_only"])

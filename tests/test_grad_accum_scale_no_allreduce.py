@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from dspatch import gating, registry
 
-from conftest import clean_env, last_json, run_python
+from conftest import stock_and_patched
 
 pytestmark = pytest.mark.stack
 
@@ -32,10 +31,7 @@ print(json.dumps({"applied": _runtime.applied_ids(), "no_sync_off": off, "rtol":
 
 @pytest.fixture(scope="module")
 def runs():
-    if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply to this stack")
-    return {mode: last_json(run_python(["-c", RUNS], env=clean_env(**env), warm="stack"))
-            for mode, env in (("stock", {}), ("patched", {"DSPATCH": PID}))}
+    return stock_and_patched([PID], RUNS, {"DSPATCH": PID})
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "pipeline_ga1"])

@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from dspatch import gating, registry
 
-from conftest import clean_env, last_json, run_python
+from conftest import stock_and_patched
 
 pytestmark = pytest.mark.stack
 
@@ -59,11 +58,7 @@ print(json.dumps({"applied": _runtime.applied_ids(), "single": digest(single), "
 
 @pytest.fixture(scope="module")
 def runs():
-    for pid in (HOOKS, SCALE):
-        if gating.evaluate(registry.all_patches()[pid]).verdict != gating.APPLIES:
-            pytest.skip(f"{pid} does not apply to this stack")
-    return {mode: last_json(run_python(["-c", RUNS], env=clean_env(**env), warm="stack"))
-            for mode, env in (("stock", {}), ("every_patch", {"DSPATCH": "1"}))}
+    return stock_and_patched([HOOKS, SCALE], RUNS, {"DSPATCH": "1"}, "every_patch")
 
 
 def test_where_the_bug_cannot_happen_every_patch_leaves_stocks_numbers_to_the_bit(runs):

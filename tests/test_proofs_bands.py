@@ -92,11 +92,21 @@ def _other_releases_of_this_sessions_bands():
         patch = registry.all_patches()[pid]
         installed = gating.evaluate(patch).version
         releases = sdist_versions(patch.distribution, "0.0", "999")
+        elsewhere = _other_small_sessions_install(patch.distribution)
         for band in patch.diffs:
             in_band = [v for v in releases if SpecifierSet(band).contains(v)]
-            if in_band and in_band[-1] != installed:
+            # a band with a release another small session installs is that session's (its own proofs run there,
+            # and it runs the band's newest release): each band once
+            if in_band and in_band[-1] != installed and not any(v in elsewhere for v in in_band):
                 found.append((pid, band, in_band[-1], None))
     return found
+
+
+def _other_small_sessions_install(distribution):
+    """The releases of `distribution` the other sessions outside the matrix install (noxfile passes DSPATCH_SMALL)."""
+    small = json.loads(os.environ.get("DSPATCH_SMALL", "{}"))
+    return {pin.split("==")[1] for name, pins in small.items() if name != STACK for pin in pins
+            if pin.startswith(distribution + "==")}
 
 
 STACK = os.environ.get("DSPATCH_TEST_STACK")

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from dspatch import gating, registry
+from dspatch import registry
 
-from conftest import clean_env, last_json, run_python
+from conftest import stock_and_patched
 
 pytestmark = pytest.mark.stack
 
@@ -31,10 +31,7 @@ print(json.dumps({"applied": _runtime.applied_ids(), "digest": {name: digest(w) 
 
 @pytest.fixture(scope="module")
 def runs():
-    if gating.evaluate(PATCH).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply to this stack")
-    return {mode: last_json(run_python(["-c", WEIGHTS], env=clean_env(**env), warm="stack"))
-            for mode, env in (("stock", {}), ("patched", {"DSPATCH": PID}))}
+    return stock_and_patched([PID], WEIGHTS, {"DSPATCH": PID})
 
 
 def test_where_no_micro_batch_is_dropped_the_weights_are_stocks_bit_for_bit(runs):

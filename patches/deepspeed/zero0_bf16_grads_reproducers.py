@@ -1,0 +1,133 @@
+"""Reproducers: real deepspeed.initialize with bf16 at ZeRO stage 0 (CPU, one process) on a tiny Llama with SGD: the
+raw engine loop and a custom accelerate loop, each against plain torch. A silent bug, proven by numbers.
+
+Plain torch here is what DeepSpeed's mixed precision does: a bf16 model's gradient, copied into fp32 master weights,
+an SGD step on those, copied back into the model. The fixed engine loop equals it to the bit on 0.18.2 and 0.18.3
+(the same operations in the same order; the tolerance, relative 1e-6, only spares a change of summation order). The
+bug moves the weights by tens of percent. Where the numbers differ, the engine loop checks that they are exactly this
+bug's (the gradients piled up over steps; on 0.18.3-0.18.5 also divided by 65536) before it says so; any other
+difference is an error. Each checks that its run is the one meant (bf16 at stage 0 on the unfused fp16 optimizer).
+Not run here: the Trainer (transformers refuses bf16 without a GPU), which the second half hits too.
+
+Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
+"""
+from dspatch.spec import BugSeen
+
+STEPS, LR, RTOL = 3, 0.5, 1e-6
+SCALE = 2.0 ** 16  # the fp16 optimizer's initial dynamic loss scale, which 0.18.3-0.18.5 divide bf16 gradients by
+
+
+def _config(stage, **extra):
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+            "gradient_clipping": 0.0,  # an update is the gradient itself
+            "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}, "zero_optimization": {"stage": stage},
+            **extra}
+
+
+def _plain_torch(batches, pile=False, divide=1.0):
+    """The weights (as fp32) after one SGD step per micro-batch of a bf16 model with fp32 master weights; `pile`: the
+    model's gradients never cleared, `divide`: each step's gradient divided by it (the bug's shapes)."""
+    import torch
+
+    from dspatch.scenario import lm_loss, tiny_llama
+
+    model = tiny_llama().to(torch.bfloat16)
+    params = list(model.parameters())
+    master = [p.detach().float().clone() for p in params]
+    optimizer = torch.optim.SGD(master, lr=LR)
+    for batch in batches:
+        lm_loss(model, batch).backward()
+        for m, p in zip(master, params):
+            m.grad = p.grad.to(m.dtype)
+            if divide != 1.0:
+                m.grad.mul_(1.0 / divide)
+            if not pile:
+                p.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            for m, p in zip(master, params):
+                p.copy_(m)
+    return {name: p.detach().float() for name, p in model.named_parameters()}
+
+
+def _engine_weights(batches):
+    """The weights (as fp32) after `engine.backward(loss); engine.step()` on each micro-batch, bf16 at stage 0."""
+    import torch
+
+    from dspatch.scenario import init_deepspeed, lm_loss, tiny_llama
+
+    deepspeed = init_deepspeed()
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                      config=_config(0))
+    if type(engine.optimizer).__name__ != "FP16_UnfusedOptimizer":  # the run is the one meant
+        raise AssertionError(f"bf16 at stage 0 built {type(engine.optimizer).__name__}, not FP16_UnfusedOptimizer")
+    for batch in batches:
+        engine.backward(lm_loss(engine, batch))
+        engine.step()
+    return {name: p.detach().float() for name, p in model.named_parameters()}
+
+
+def _judge(got, batches, where):
+    """Nothing where `got` is plain torch's weights, BugSeen where it is this bug's, else an error."""
+    from dspatch.scenario import worst
+
+    off = worst(got, _plain_torch(batches))
+    if off <= RTOL:
+        return
+    if worst(got, _plain_torch(batches, pile=True)) <= RTOL:
+        raise BugSeen(f"bf16 at ZeRO-0, {where}: each step applied every earlier step's gradient again (weights "
+                      f"{off:.0%} off plain torch)")
+    if worst(got, _plain_torch(batches, pile=True, divide=SCALE)) <= RTOL:
+        raise BugSeen(f"bf16 at ZeRO-0, {where}: each step applied every earlier step's gradient again, divided by "
+                      f"the loss scale {SCALE:.0f} (weights {off:.0%} off plain torch)")
+    if worst(got, _plain_torch(batches, divide=SCALE)) <= RTOL:  # the second half alone
+        raise BugSeen(f"bf16 at ZeRO-0, {where}: each step's gradient divided by the loss scale {SCALE:.0f} (weights "
+                      f"{off:.0%} off plain torch)")
+    raise AssertionError(f"{where}: weights {off:.2e} off plain torch, and not as this bug piles or divides gradients")
+
+
+def engine_loop():
+    """Three SGD steps of `engine.backward(loss); engine.step()` at bf16 stage 0: plain torch's weights."""
+    from dspatch.scenario import lm_batches
+
+    batches = lm_batches(STEPS)
+    _judge(_engine_weights(batches), batches, "engine.backward(loss); engine.step()")
+
+
+def accelerate_loop():
+    """Three SGD steps of a custom accelerate loop (`accelerator.backward(loss)`, `optimizer.step()`,
+    `optimizer.zero_grad()`) with the DeepSpeed plugin, bf16 at stage 0: plain torch's weights (accelerate's
+    `zero_grad` leaves DeepSpeed's gradients to DeepSpeed)."""
+    import torch
+
+    from dspatch.scenario import init_deepspeed, lm_batches, lm_loss, reset_accelerate, tiny_llama
+
+    init_deepspeed()
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    batches = lm_batches(STEPS)
+    reset_accelerate()
+    try:
+        accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_config(0)))
+        model = tiny_llama()
+        engine, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+        ran = (type(engine).__name__, engine.bfloat16_enabled(), type(engine.optimizer).__name__)
+        if ran != ("DeepSpeedEngine", True, "FP16_UnfusedOptimizer"):
+            raise AssertionError(f"accelerate prepared (engine, bf16, optimizer) {ran}")
+        for batch in batches:
+            accelerator.backward(lm_loss(engine, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        reset_accelerate()
+    _judge({name: p.detach().float() for name, p in model.named_parameters()}, batches, "a custom accelerate loop")
+
+
+SCENARIOS = {"engine_loop": engine_loop, "accelerate_loop": accelerate_loop}
+EXPECTED_ON_STOCK = {"engine_loop": "each step applied every earlier step's gradient again",
+                     "accelerate_loop": "each step applied every earlier step's gradient again"}
+# The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
+RELEASES_CHECKED = ("0.17.5", "0.18.6")
+SILENT = "gradients piled up or divided by the loss scale, no message: proven by numbers"
