@@ -15,11 +15,11 @@ RUNS = r'''
 import json
 import torch
 from dspatch import _runtime
-from dspatch.patches.deepspeed.zero0_bf16_grads_reproducers import LR, RTOL, SCALE, STEPS, _config, _plain_torch
-from dspatch.scenario import digest, init_deepspeed, lm_batches, lm_loss, tiny_llama, worst
+from dspatch.patches.deepspeed.zero0_bf16_grads_reproducers import LR, RTOL, SCALE, _batches, _config, _plain_torch
+from dspatch.scenario import digest, init_deepspeed, lm_loss, tiny_llama, worst
 
 deepspeed = init_deepspeed()
-batches = lm_batches(STEPS)
+batches = _batches()
 
 
 def train(config, before=None):

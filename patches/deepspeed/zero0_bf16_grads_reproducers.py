@@ -24,14 +24,21 @@ def _config(stage, **extra):
             **extra}
 
 
+def _batches():
+    """The micro-batches, where DeepSpeed trains (the CPU here; the GPU under DS_ACCELERATOR=cuda)."""
+    from dspatch.scenario import lm_batches, on_accelerator
+
+    return [{key: on_accelerator(value) for key, value in batch.items()} for batch in lm_batches(STEPS)]
+
+
 def _plain_torch(batches, pile=False, divide=1.0):
     """The weights (as fp32) after one SGD step per micro-batch of a bf16 model with fp32 master weights; `pile`: the
     model's gradients never cleared, `divide`: each step's gradient divided by it (the bug's shapes)."""
     import torch
 
-    from dspatch.scenario import lm_loss, tiny_llama
+    from dspatch.scenario import lm_loss, on_accelerator, tiny_llama
 
-    model = tiny_llama().to(torch.bfloat16)
+    model = on_accelerator(tiny_llama().to(torch.bfloat16))
     params = list(model.parameters())
     master = [p.detach().float().clone() for p in params]
     optimizer = torch.optim.SGD(master, lr=LR)
@@ -89,9 +96,7 @@ def _judge(got, batches, where):
 
 def engine_loop():
     """Three SGD steps of `engine.backward(loss); engine.step()` at bf16 stage 0: plain torch's weights."""
-    from dspatch.scenario import lm_batches
-
-    batches = lm_batches(STEPS)
+    batches = _batches()
     _judge(_engine_weights(batches), batches, "engine.backward(loss); engine.step()")
 
 
@@ -101,13 +106,13 @@ def accelerate_loop():
     `zero_grad` leaves DeepSpeed's gradients to DeepSpeed)."""
     import torch
 
-    from dspatch.scenario import init_deepspeed, lm_batches, lm_loss, reset_accelerate, tiny_llama
+    from dspatch.scenario import init_deepspeed, lm_loss, reset_accelerate, tiny_llama
 
     init_deepspeed()
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    batches = lm_batches(STEPS)
+    batches = _batches()
     reset_accelerate()
     try:
         accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=_config(0)))
