@@ -27,7 +27,8 @@ from a stock 0.18.3-0.18.5 checkpoint divides by 65536 again (read, not run).
 Proven by numbers on deepspeed 0.18.3 (the ds0183 session: both halves) and 0.18.2 (ds0182: the first), one process:
 three SGD steps of the raw engine loop and of a custom accelerate loop at bf16 stage 0 equal plain torch's (a bf16
 model, fp32 master weights) bit for bit, and stock equals plain torch with the gradients piled up (and divided by
-65536). The Trainer's half is read, not run: transformers refuses bf16 without a GPU.
+65536). The same on an H100 (nccl, 0.18.3), where the fused fp16 optimizer's path (DeepSpeed's Adam) was run too: with
+the patch, bit-identical to stock. The Trainer's half is read, not run: transformers refuses bf16 without a GPU.
 """
 from dspatch.spec import Patch, Target
 
