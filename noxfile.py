@@ -181,10 +181,12 @@ def small_session(name, keywords, own_tests, doc):
     return run
 
 
-ds0183 = small_session("ds0183", "scale-wrt-gas or gas-per-tensor or output_hooks_gas or bf16",
-                       ["tests/test_output_hooks_gas.py", "tests/test_zero0_bf16_grads.py"],
+ds0183 = small_session("ds0183",
+                       "scale-wrt-gas or gas-per-tensor or output_hooks_gas or bf16 or pipe-grad or pipe_grad",
+                       ["tests/test_output_hooks_gas.py", "tests/test_zero0_bf16_grads.py",
+                        "tests/test_pipe_grad_accum_scale.py"],
                        "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
-                       "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads)")
+                       "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale)")
 ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduce or bf16",
                        ["tests/test_grad_accum_scale_no_allreduce.py", "tests/test_zero0_bf16_grads.py"],
                        "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "

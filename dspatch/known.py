@@ -46,10 +46,6 @@ def in_range(item, version):
 DS = "https://github.com/deepspeedai/DeepSpeed/pull/"
 
 KNOWN = (
-    Known("deepspeed/pipe-grad-accum-scale", "deepspeed", ">=0.18.3,<0.19.3", "0.19.3",
-          "pipeline parallelism (2+ stages) + accumulation: each stage but the last divides its gradients by the "
-          "accumulation steps again for every later stage (silent; 0.16.0-0.18.2's cause, no division at all, is "
-          "deepspeed/grad-accum-scale-no-allreduce)", "upgrade deepspeed", (DS + "8154",)),
     Known("deepspeed/zero3-moe-leaf-modules", "deepspeed", "<0.18.0", "0.18.0",
           "ZeRO-3 + a sparse mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE): ranks whose tokens reach "
           "different experts wait on each other for ever (a hang)",

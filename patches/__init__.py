@@ -38,4 +38,5 @@ MODULES = (
     "accelerate.deepspeed_ga_boundary",
     "deepspeed.grad_accum_scale_no_allreduce",
     "deepspeed.zero0_bf16_grads",
+    "deepspeed.pipe_grad_accum_scale",
 )

@@ -77,7 +77,7 @@ PATCH = Patch(
     id="accelerate/deepspeed-ga-boundary",
     summary=("accelerate + DeepSpeed under accelerator.accumulate: DeepSpeed steps where accelerate's accumulation "
              "ends, so windows no longer straddle epochs and the last partial window is applied (silent)"),
-    symptom="with accumulation, windows silently straddle epochs and the last partial one is never applied",
+    symptom="accumulation windows silently straddle epochs; the last partial one is never applied",
     distribution="accelerate",
     affected="<1.8.0",
     fixed_in="1.8.0",

@@ -95,7 +95,7 @@ PATCH = Patch(
     id="deepspeed/engine-releases-model",
     summary=("A DeepSpeed engine dropped without destroy() frees its model: the debug name maps of "
              "deepspeed/utils/debug.py no longer keep the last model alive"),
-    symptom="the last engine's model stays in memory after the engine is dropped without `destroy()`",
+    symptom="a dropped engine's model stays in memory unless `destroy()` was called",
     distribution="deepspeed",
     affected="<0.19.7",
     fixed_in="0.19.7",

@@ -14,8 +14,7 @@ so:
 - a `PipelineEngine` turns `enable_backward_allreduce` off (it all-reduces itself): every pipeline step with GA > 1
   trains on a gradient GA times too big (the first cause of DeepSpeed issue 7773).
 0.18.3 moved the division into output hooks that divide whatever the context (PR 7665), which ended it (and brought
-the pipeline a cause of its own, 0.18.3-0.19.2, not patched here: `deepspeed/pipe-grad-accum-scale` among the known
-bugs).
+the pipeline a cause of its own, 0.18.3-0.19.2: `deepspeed/pipe-grad-accum-scale`).
 
 The fix divides as 0.15.x did, rebuilt from the installed source: the scaling test keeps every term of
 `do_gradient_reduction` but the two that say whether this backward all-reduces (`self.enable_backward_allreduce`,
@@ -74,7 +73,7 @@ PATCH = Patch(
     id="deepspeed/grad-accum-scale-no-allreduce",
     summary=("micro-steps inside engine.no_sync() (accelerate's accumulate at ZeRO-0/1) and pipeline steps divide the "
              "loss by the gradient accumulation steps again (silent)"),
-    symptom="gradients silently GA times too big in `no_sync` micro-steps (accumulate, ZeRO-0/1) and pipelines",
+    symptom="gradients silently GA times too big in `no_sync` micro-steps (ZeRO-0/1) and pipelines",
     distribution="deepspeed",
     affected=">=0.16.0,<0.18.3",
     fixed_in="0.18.3",

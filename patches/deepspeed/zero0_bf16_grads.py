@@ -84,7 +84,7 @@ PATCH = Patch(
     id="deepspeed/zero0-bf16-grads",
     summary=("bf16 at ZeRO stage 0 clears the gradients after each step and (0.18.3-0.18.5) does not divide them by "
              "a loss scale bf16 never applied (silent)"),
-    symptom="bf16 at ZeRO-0: gradients silently pile up over steps; from 0.18.3 also 65536 times too small",
+    symptom="bf16 at ZeRO-0: gradients silently pile up over steps (0.18.3+: also / 65536)",
     distribution="deepspeed",
     affected=">=0.17.6,<0.18.6",
     fixed_in="0.18.6",

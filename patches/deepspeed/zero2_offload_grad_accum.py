@@ -54,7 +54,7 @@ PATCH = Patch(
     id="deepspeed/zero2-offload-grad-accum",
     summary=("ZeRO-2 with the optimizer offloaded to the CPU and gradient accumulation >= 3 trains on every "
              "micro-batch's gradient, not only on the first and last of each window (silent)"),
-    symptom="the middle micro-batches of each accumulation window silently left out of the gradient",
+    symptom="each accumulation window's middle micro-batches silently left out of the gradient",
     distribution="deepspeed",
     affected=">=0.15.2,<0.19.0",
     fixed_in="0.19.0",
