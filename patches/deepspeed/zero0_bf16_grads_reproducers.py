@@ -31,19 +31,21 @@ def _batches():
     return [{key: on_accelerator(value) for key, value in batch.items()} for batch in lm_batches(STEPS)]
 
 
-def _plain_torch(batches, pile=False, divide=1.0):
-    """The weights (as fp32) after one SGD step per micro-batch of a bf16 model with fp32 master weights; `pile`: the
-    model's gradients never cleared, `divide`: each step's gradient divided by it (the bug's shapes)."""
+def _plain_torch(batches, pile=False, divide=1.0, accumulation=1):
+    """The weights (as fp32) after one SGD step per window of `accumulation` micro-batches (each loss divided by it)
+    of a bf16 model with fp32 master weights; `pile`: the model's gradients never cleared, `divide`: each step's
+    gradient divided by it (the bug's shapes)."""
     import torch
 
-    from dspatch.scenario import lm_loss, on_accelerator, tiny_llama
+    from dspatch.scenario import lm_loss, on_accelerator, tiny_llama, windows
 
     model = on_accelerator(tiny_llama().to(torch.bfloat16))
     params = list(model.parameters())
     master = [p.detach().float().clone() for p in params]
     optimizer = torch.optim.SGD(master, lr=LR)
-    for batch in batches:
-        lm_loss(model, batch).backward()
+    for window in windows(batches, accumulation):
+        for batch, by in window:
+            (lm_loss(model, batch) / by).backward()
         for m, p in zip(master, params):
             m.grad = p.grad.to(m.dtype)
             if divide != 1.0:
@@ -57,7 +59,7 @@ def _plain_torch(batches, pile=False, divide=1.0):
     return {name: p.detach().float() for name, p in model.named_parameters()}
 
 
-def _engine_weights(batches):
+def _engine_weights(batches, accumulation=1):
     """The weights (as fp32) after `engine.backward(loss); engine.step()` on each micro-batch, bf16 at stage 0."""
     import torch
 
@@ -66,7 +68,7 @@ def _engine_weights(batches):
     deepspeed = init_deepspeed()
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
-                                      config=_config(0))
+                                      config=_config(0, gradient_accumulation_steps=accumulation))
     if type(engine.optimizer).__name__ != "FP16_UnfusedOptimizer":  # the run is the one meant
         raise AssertionError(f"bf16 at stage 0 built {type(engine.optimizer).__name__}, not FP16_UnfusedOptimizer")
     for batch in batches:
