@@ -84,6 +84,7 @@ def _other_releases_of_this_sessions_bands():
     patches that apply here, where it is not the release installed (that one the session's own proofs run). There the
     monkeypatch is proven too: the session exists for these patches, and their targets' code differs across a band."""
     from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
 
     from upstream_releases import sdist_versions
 
@@ -95,9 +96,11 @@ def _other_releases_of_this_sessions_bands():
         elsewhere = _other_small_sessions_install(patch.distribution)
         for band in patch.diffs:
             in_band = [v for v in releases if SpecifierSet(band).contains(v)]
-            # a band with a release another small session installs is that session's (its own proofs run there,
-            # and it runs the band's newest release): each band once
-            if in_band and in_band[-1] != installed and not any(v in elsewhere for v in in_band):
+            # each band once: it belongs to the small session whose installed release in it is the newest (where no
+            # session installs one, to each session the patch applies to)
+            holders = [v for v in in_band if v in elsewhere or v == installed]
+            owner = max(holders, key=Version) if holders else None
+            if in_band and in_band[-1] != installed and owner in (None, installed):
                 found.append((pid, band, in_band[-1], None))
     return found
 

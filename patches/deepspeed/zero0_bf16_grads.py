@@ -11,34 +11,43 @@ it had the BF16 optimizer. With a torch optimizer (SGD, AdamW: anything but Deep
   and `FP16_UnfusedOptimizer.step` leaves the model's: every `engine.backward(); engine.step()` loop and every
   accelerate loop at bf16 stage 0 applies at step k the sum of the gradients of steps 1..k. The Trainer's
   `model.zero_grad()` hides this half.
-- from 0.18.3 (PR 7665) `engine.backward` no longer calls the optimizer's `backward`, which multiplied the loss by the
-  dynamic loss scale (65536), but the optimizer still divides the gradients by it: every gradient is 65536 times too
-  small: with SGD almost no update, with AdamW (nearly scale-free) one that `eps` shrinks, gradient clipping never
-  reached, and a `grad_norm` 65536 times too small in every log. The Trainer is hit too.
+- the optimizer keeps fp16's dynamic loss scale (65536). On 0.17.6-0.18.2 its `backward` multiplies the loss by it and
+  its step divides it out, so the weights are right, but the grad norm DeepSpeed reports (and the Trainer logs) is
+  65536 times too large, and the scale doubles every 1000 steps until bf16 overflows and a step is skipped. From
+  0.18.3 (PR 7665) `engine.backward` no longer calls the optimizer's `backward`, yet the step still divides: every
+  gradient is 65536 times too small, with SGD almost no update, with AdamW (nearly scale-free) one that `eps`
+  shrinks, and gradient clipping never reached. The Trainer is hit too.
 0.18.6 (PR 7839) clears the gradients after every bf16 step and gives bf16 no loss scale.
 
 The fix does the same, for the optimizer that needs it alone: after a bf16 step at stage 0, an `FP16_UnfusedOptimizer`
 clears the model's gradients (the fused fp16 optimizer and the BF16 optimizer of pipelines clear their own, and stay
-as on stock); on 0.18.3-0.18.5 an `FP16_UnfusedOptimizer` built for bf16 gets a static loss scale of 1, given again
-before every step (`load_state_dict` of a checkpoint written by stock gives back 65536). Nothing changes at fp16 or
+as on stock); an `FP16_UnfusedOptimizer` built for bf16 gets a static loss scale of 1, on 0.18.3-0.18.5 given again
+after `load_state_dict` (a checkpoint written by stock gives back 65536; the diff keeps that scale out too).
+On 0.17.6-0.18.2 a resume from a stock checkpoint brings its scale back with the weights still right (backward
+multiplies by it again) and the reported grad norm off by it again: left as it is. Nothing changes at fp16 or
 under ZeRO. Noticed and left alone: 0.18.6 restores a checkpoint's scale as stock does, so a run resumed on 0.18.6
 from a stock 0.18.3-0.18.5 checkpoint divides by 65536 again (read, not run).
 
-Proven by numbers on deepspeed 0.18.3 (the ds0183 session: both halves) and 0.18.2 (ds0182: the first), one process:
-three SGD steps of the raw engine loop and of a custom accelerate loop at bf16 stage 0 equal plain torch's (a bf16
-model, fp32 master weights) bit for bit, and stock equals plain torch with the gradients piled up (and divided by
-65536). The same on an H100 (nccl, 0.18.3), where the fused fp16 optimizer's path (DeepSpeed's Adam) was run too: with
-the patch, bit-identical to stock. The Trainer's half is read, not run: transformers refuses bf16 without a GPU.
+Proven by numbers on deepspeed 0.18.3 (the ds0183 session) and 0.18.2 (ds0182), one process: three SGD steps of the
+raw engine loop and of a custom accelerate loop at bf16 stage 0 equal plain torch's (a bf16 model, fp32 master
+weights) bit for bit, and stock equals plain torch with the gradients piled up (and, on 0.18.3, divided by 65536);
+the first step's reported grad norm is plain torch's (stock 0.18.2: 65536 times it); a resume from the state stock
+writes lands on plain torch too. The loops, on an H100 (nccl, 0.18.3), as on the CPU; the fused fp16 optimizer's path
+(DeepSpeed's Adam), run there too, is bit-identical to stock with the patch. The Trainer's half is read, not run:
+transformers refuses bf16 without a GPU.
 """
 from dspatch.spec import Patch, Target
 
 ENGINE = "deepspeed.runtime.engine"
 STEP = "DeepSpeedEngine._take_model_step"
 CONFIGURE = "DeepSpeedEngine._configure_fp16_optimizer"
+LOAD = "FP16_UnfusedOptimizer.load_state_dict"
 TARGETS = (
-    Target(ENGINE, STEP, {"acc542499bb079a7": "0.17.6", "c4b35bc681c7d4d6": "0.18.0-0.18.5"}, releases=">=0.17.6"),
-    # where backward no longer multiplies by the loss scale: the optimizers built for bf16 are marked here
-    Target(ENGINE, CONFIGURE, {"c78ebc54586ae368": "0.18.3-0.18.5"}, releases=">=0.18.3"),
+    Target(ENGINE, STEP, {"acc542499bb079a7": "0.17.6", "c4b35bc681c7d4d6": "0.18.0-0.18.5"}),
+    Target(ENGINE, CONFIGURE, {"c78ebc54586ae368": "0.17.6-0.18.5"}),  # the optimizers built for bf16 are marked here
+    # where backward does not multiply by the scale, a stock checkpoint's 65536 given back would divide again
+    Target("deepspeed.runtime.fp16.unfused_optimizer", LOAD, {"9ce19aa89eedf6cd": "0.18.3-0.18.5"},
+           releases=">=0.18.3"),
 )
 
 
@@ -55,7 +64,7 @@ def apply(txn):
 
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    unscaled = weakref.WeakSet()  # the FP16_UnfusedOptimizers built for a bf16 model where backward does not scale
+    unscaled = weakref.WeakSet()  # the FP16_UnfusedOptimizers built for a bf16 model
 
     def mark_for_bf16(wrapped, engine, args, kwargs):
         optimizer = wrapped(*args, **kwargs)
@@ -65,10 +74,14 @@ def apply(txn):
             unscaled.add(optimizer)
         return optimizer
 
+    def still_unscaled(wrapped, optimizer, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        if optimizer in unscaled:  # a checkpoint written by stock gives back its 65536
+            without_loss_scale(optimizer)
+        return result
+
     def step_then_clear(wrapped, engine, args, kwargs):
         optimizer = engine.optimizer
-        if optimizer in unscaled:  # again before every step: load_state_dict gives back a stock checkpoint's 65536
-            without_loss_scale(optimizer)
         result = wrapped(*args, **kwargs)
         if engine.bfloat16_enabled() and not engine.zero_optimization() \
                 and isinstance(optimizer, FP16_UnfusedOptimizer):
@@ -76,8 +89,9 @@ def apply(txn):
         return result
 
     txn.wrap(txn.target(STEP), step_then_clear)
-    if any(target.qualname == CONFIGURE for target in txn.patch.targets):  # 0.18.3-0.18.5 (the gate's choice)
-        txn.wrap(txn.target(CONFIGURE), mark_for_bf16)
+    txn.wrap(txn.target(CONFIGURE), mark_for_bf16)
+    if any(target.qualname == LOAD for target in txn.patch.targets):  # 0.18.3-0.18.5: the gate's choice
+        txn.wrap(txn.target(LOAD), still_unscaled)
 
 
 PATCH = Patch(
@@ -93,8 +107,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/7839", "https://github.com/deepspeedai/DeepSpeed/issues/7837",
            "https://github.com/deepspeedai/DeepSpeed/pull/7515", "https://github.com/deepspeedai/DeepSpeed/pull/7665"),
-    diffs={">=0.17.6,<=0.18.2": "deepspeed/0018-zero0-bf16-grads-0.17.6-0.18.2.patch",
-           ">=0.18.3,<=0.18.5": "deepspeed/0018-zero0-bf16-grads-0.18.3-0.18.5.patch"},
-    note=("wraps DeepSpeedEngine._take_model_step (clears an FP16_UnfusedOptimizer's gradients after a bf16 step) and, "
-          "on 0.18.3-0.18.5, _configure_fp16_optimizer (loss scale 1 for the bf16 one, kept at every step)"),
+    diffs={">=0.17.6,<=0.18.5": "deepspeed/0018-zero0-bf16-grads-0.17.6-0.18.5.patch"},
+    note=("wraps DeepSpeedEngine._take_model_step (clears an FP16_UnfusedOptimizer's gradients after a bf16 step), "
+          "_configure_fp16_optimizer and FP16_UnfusedOptimizer.load_state_dict (loss scale 1 for the bf16 one)"),
 )

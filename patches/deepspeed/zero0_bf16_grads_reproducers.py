@@ -59,8 +59,16 @@ def _plain_torch(batches, pile=False, divide=1.0, accumulation=1):
     return {name: p.detach().float() for name, p in model.named_parameters()}
 
 
-def _engine_weights(batches, accumulation=1):
-    """The weights (as fp32) after `engine.backward(loss); engine.step()` on each micro-batch, bf16 at stage 0."""
+def _as_stock_writes_it(engine):
+    """The optimizer's state as stock writes it in a checkpoint (dynamic loss scale 65536), loaded back: a resume."""
+    state = engine.optimizer.state_dict()
+    state.update(dynamic_loss_scale=True, cur_scale=SCALE, last_overflow_iter=-1, scale_factor=2.0, scale_window=1000)
+    engine.optimizer.load_state_dict(state)
+
+
+def _engine_weights(batches, accumulation=1, resume=False):
+    """The weights (as fp32) after `engine.backward(loss); engine.step()` on each micro-batch, bf16 at stage 0;
+    `resume`: after the first step, the optimizer's state as stock writes it loaded back."""
     import torch
 
     from dspatch.scenario import init_deepspeed, lm_loss, tiny_llama
@@ -71,7 +79,9 @@ def _engine_weights(batches, accumulation=1):
                                       config=_config(0, gradient_accumulation_steps=accumulation))
     if type(engine.optimizer).__name__ != "FP16_UnfusedOptimizer":  # the run is the one meant
         raise AssertionError(f"bf16 at stage 0 built {type(engine.optimizer).__name__}, not FP16_UnfusedOptimizer")
-    for batch in batches:
+    for step, batch in enumerate(batches):
+        if resume and step == 1:
+            _as_stock_writes_it(engine)
         engine.backward(lm_loss(engine, batch))
         engine.step()
     return {name: p.detach().float() for name, p in model.named_parameters()}
@@ -100,6 +110,13 @@ def engine_loop():
     """Three SGD steps of `engine.backward(loss); engine.step()` at bf16 stage 0: plain torch's weights."""
     batches = _batches()
     _judge(_engine_weights(batches), batches, "engine.backward(loss); engine.step()")
+
+
+def resume():
+    """One step, a resume from the state stock writes (its loss scale 65536 in the checkpoint), two more steps: plain
+    torch's weights."""
+    batches = _batches()
+    _judge(_engine_weights(batches, resume=True), batches, "resumed from a stock checkpoint")
 
 
 def accelerate_loop():
@@ -132,9 +149,39 @@ def accelerate_loop():
     _judge({name: p.detach().float() for name, p in model.named_parameters()}, batches, "a custom accelerate loop")
 
 
-SCENARIOS = {"engine_loop": engine_loop, "accelerate_loop": accelerate_loop}
+def grad_norm():
+    """The grad norm DeepSpeed reports after the first step at bf16 stage 0 (what the Trainer logs) is plain torch's:
+    the norm of the first micro-batch's bf16 gradient (relative 1e-3: DeepSpeed sums the squares per group)."""
+    import torch
+
+    from dspatch.scenario import init_deepspeed, lm_loss, on_accelerator, tiny_llama
+
+    batch = _batches()[0]
+    model = on_accelerator(tiny_llama().to(torch.bfloat16))
+    lm_loss(model, batch).backward()
+    want = float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in model.parameters()])))
+    deepspeed = init_deepspeed()
+    model = tiny_llama()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                      config=_config(0))
+    engine.backward(lm_loss(engine, batch))
+    engine.step()
+    got = float(engine.get_global_grad_norm())
+    if abs(got - want) <= 1e-3 * want:
+        return
+    if abs(got / want / SCALE - 1) <= 1e-3:
+        raise BugSeen(f"bf16 at ZeRO-0: the reported grad norm {got:.6g} is the loss scale {SCALE:.0f} times the "
+                      f"gradient's {want:.6g}")
+    raise AssertionError(f"the reported grad norm {got:.6g} is not the gradient's {want:.6g}, nor this bug's")
+
+
+SCENARIOS = {"engine_loop": engine_loop, "accelerate_loop": accelerate_loop, "grad_norm": grad_norm, "resume": resume}
 EXPECTED_ON_STOCK = {"engine_loop": "each step applied every earlier step's gradient again",
-                     "accelerate_loop": "each step applied every earlier step's gradient again"}
+                     "resume": "resumed from a stock checkpoint: each step applied every earlier step's gradient",
+                     "accelerate_loop": "each step applied every earlier step's gradient again",
+                     "grad_norm": "the reported grad norm"}
+# 0.18.3-0.18.5 compute the norm from the gradients backward left unscaled: right at the first step
+STOCK_FAILS_ON = {"grad_norm": "<0.18.3"}
 # The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
 RELEASES_CHECKED = ("0.17.5", "0.18.6")
 SILENT = "gradients piled up or divided by the loss scale, no message: proven by numbers"
