@@ -131,8 +131,10 @@ def stack_session(name):
     @nox.session(python="3.11", name=name)
     def run(session):
         install_stack(session, name)
+        # the small sessions' pins and keywords: a diff band one of them proves is not run again here
         session.run("pytest", "-m", "not unit_only", *XDIST, *session.posargs,
-                    env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS)})
+                    env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS),
+                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_SMALL_SELECTS": json.dumps(SELECTS)})
 
     run.__doc__ = f"Every patch proven against real {', '.join(STACKS[name])} (torch 2.13 CPU)."
     return run
@@ -163,9 +165,14 @@ def tf444_ds16(session):
     session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, "-k", "prefetch-bucket-int", *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
 
 
+SELECTS = {}  # {small session: its pytest keywords, "a or b"}, filled below
+
+
 def small_session(name, keywords, own_tests, doc):
     """A session of SMALL: the shared proofs of the patches `keywords` selects, their bands' newest releases (stock,
     monkeypatch, diff) and their own tests."""
+    SELECTS[name] = keywords
+
     @nox.session(python="3.11", name=name)
     def run(session):
         install_once(session, TORCH)
@@ -182,11 +189,13 @@ def small_session(name, keywords, own_tests, doc):
 
 
 ds0183 = small_session("ds0183",
-                       "scale-wrt-gas or gas-per-tensor or output_hooks_gas or bf16 or pipe-grad or pipe_grad",
+                       "scale-wrt-gas or gas-per-tensor or output_hooks_gas or bf16 or pipe-grad or pipe_grad or "
+                       "lr-schedules or allreduce-fetch",
                        ["tests/test_output_hooks_gas.py", "tests/test_zero0_bf16_grads.py",
-                        "tests/test_pipe_grad_accum_scale.py"],
+                        "tests/test_pipe_grad_accum_scale.py", "tests/test_lr_schedules_multigroup.py"],
                        "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
-                       "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale)")
+                       "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
+                       "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of zero3-allreduce-fetch-padding")
 ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduce or bf16",
                        ["tests/test_grad_accum_scale_no_allreduce.py", "tests/test_zero0_bf16_grads.py"],
                        "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "

@@ -42,14 +42,33 @@ def _links(patch):
                     for link in patch.links)
 
 
+def releases_cell(patch):
+    """Affected releases and upstream's fix in one short cell: `0.15.4 → 0.19.2` (from 0.15.4 until 0.19.2 fixed
+    it), `all → open` (every release, not fixed upstream); a range of another shape is shown as its specifier."""
+    lower, fixed = "all", patch.fixed_in or "open"
+    parts = [part.strip() for part in patch.affected.split(",") if part.strip() not in (">=0", "")]
+    for part in parts:
+        if part.startswith(">=") and lower == "all":
+            lower = part[2:]
+        elif not (patch.fixed_in and (part == f"<{patch.fixed_in}" or part.startswith("<="))):
+            return f"{patch.affected} → {fixed}"  # e.g. an upper bound where upstream removed the code
+    return f"{lower} → {fixed}"
+
+
 def short_table():
-    """The README's table: what a user needs to recognise a bug and whether it is theirs."""
-    # the package is the id's first part: the release columns give versions only (the README stays short)
-    lines = ["| patch | what you see on stock | releases affected | fixed upstream |", "|---|---|---|---|"]
+    """The README's table, one per package (the ids there are the page links): what a user needs to recognise a
+    bug and whether it is theirs, in as few bytes as the README's 12 KB allow."""
+    by_package = {}
     for pid, p in registry.all_patches().items():
-        lines.append(f"| [`{pid}`]({page_path(pid)}) | {_cell(p.symptom or p.summary)} | "
-                     f"{'all' if p.affected == '>=0' else p.affected} | {p.fixed_in or 'not yet'} |")
-    return "\n".join(lines)
+        by_package.setdefault(p.distribution, []).append((pid, p))
+    lines = []  # an id is its package's heading and the name in the row
+    for package, patches in by_package.items():
+        lines += [f"**`{package}/`**", "",
+                  "| patch | what you see on stock | affected → fixed |", "|---|---|---|"]
+        lines += [f"| [{pid.split('/', 1)[1]}]({page_path(pid)}) | {_cell(p.symptom or p.summary)} | "
+                  f"{releases_cell(p)} |" for pid, p in patches]
+        lines.append("")
+    return "\n".join(lines[:-1])
 
 
 def full_table():
@@ -149,7 +168,8 @@ def _signatures(patch):
     if not patch.signatures:
         why = patch.silent
         return [f"No log signature: {why}." if why else "No log signature."]
-    rows = ["| error | message (regular expression) | also needs |", "|---|---|---|"]
+    rows = [f"Silent outside {patch.distribution} {patch.loud_on}: {patch.silent}.", ""] if patch.loud_on else []
+    rows += ["| error | message (regular expression) | also needs |", "|---|---|---|"]
     for s in patch.signatures:
         needs = "<br>".join(f"`{n}`" if isinstance(n, str) else _cell(n.__doc__ or n.__name__)
                             for n in (*s.needs, *s.context, *s.hints))

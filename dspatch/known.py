@@ -56,16 +56,6 @@ KNOWN = (
           "ZeRO-3 + LoRA with fp32 adapters on a bf16 base: `TypeError: output tensor must have the same type as "
           "input tensor` in the parameter all-gather", "upgrade deepspeed (0.19.2 is the only release with it)",
           (DS + "8073", DS + "8128")),
-    Known("deepspeed/zero3-allreduce-fetch-padding", "deepspeed", "<0.19.4", "0.19.4",
-          "`stage3_use_all_reduce_for_fetch_params: true` with 2+ ranks: one weight's padding is summed into the "
-          "next (inf, then NaN); on 0.16.3-0.17.2 the option fails at once (`handle_dependency`)",
-          "keep the option off (its default)", (DS + "8158", DS + "7414"),
-          note="Reproduced here on 0.14.4 with 2 CPU ranks: the loss is inf at the second step, then NaN; with the "
-               "one line fixed, the job matches the default all-gather fetch bit for bit."),
-    Known("deepspeed/lr-schedules-multigroup", "deepspeed", "<0.19.4", "0.19.4",
-          "DeepSpeed's WarmupLR / WarmupCosineLR with param groups of different learning rates: the groups get "
-          "wrong rates (silent)", "upgrade deepspeed, or build the scheduler in torch and pass it to initialize",
-          (DS + "8171", DS + "7969", DS + "7360")),
 )
 
 

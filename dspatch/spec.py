@@ -80,7 +80,8 @@ class Patch:
       failure, where stock passes the scenario on the others), `BAND_CHECK` (the cheapest reproducer, run on the
       released source of each diff band no test stack installs; default: the first of EXPECTED_ON_STOCK),
       `OTHERS_WITH_AND_WITHOUT` (for `requires`: ({other: a version with the bug's need}, {other: one without}),
-      for the release suite), `SILENT` (why `explain` cannot name a bug that writes nothing to a log) and
+      for the release suite), `SILENT` (why `explain` cannot name a bug that writes nothing to a log; with
+      `LOUD_ON`, a specifier, the releases where it writes an error instead, which `signatures` name) and
       `NECESSITY_PROVEN_BY` ("test_x.py::test": the test that proves each target necessary instead).
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
     - `fixed_marker`: optional (module, qualname) of a definition that exists only once upstream's fix is in;
@@ -190,6 +191,12 @@ class Patch:
     def silent(self):
         """Why `python -m dspatch.explain` cannot name the bug (it writes nothing to a log); "": it can."""
         return self._declared("SILENT", "")
+
+    @property
+    def loud_on(self):
+        """For a bug `silent` on some releases only: those (a PEP 440 specifier) where it writes an error instead,
+        which its `signatures` name (`LOUD_ON` in the reproducers module); "": none."""
+        return self._declared("LOUD_ON", "")
 
     @property
     def necessity_proven_by(self):

@@ -39,4 +39,6 @@ MODULES = (
     "deepspeed.grad_accum_scale_no_allreduce",
     "deepspeed.zero0_bf16_grads",
     "deepspeed.pipe_grad_accum_scale",
+    "deepspeed.lr_schedules_multigroup",
+    "deepspeed.zero3_allreduce_fetch_padding",
 )

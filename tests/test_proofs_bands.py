@@ -73,8 +73,15 @@ def _bands_no_stack_runs():
                 in_band = [v for v in releases if SpecifierSet(band).contains(v)]
                 if not in_band or any(SpecifierSet(band).contains(v) for v in covered):
                     continue
+                owner = _small_session_running(pid, patch.distribution, band)
+                if owner:  # there with the monkeypatch too, on the installed release and the band's newest
+                    found.append((pid, band, in_band[-1], f"the {owner} session runs this band"))
+                    continue
                 code = _target_code(patch, in_band[-1], tmp)
-                found.append((pid, band, in_band[-1], seen.get(code)))
+                same = seen.get(code)
+                found.append((pid, band, in_band[-1], same and (
+                    f"{in_band[-1]}'s targets are the code of {same}: only the diff's context differs "
+                    f"(`git apply --check` on every release of the band, unit session)")))
                 seen.setdefault(code, f"{patch.distribution} {in_band[-1]}, run for band {band}")
     return found
 
@@ -100,9 +107,39 @@ def _other_releases_of_this_sessions_bands():
             # session installs one, to each session the patch applies to)
             holders = [v for v in in_band if v in elsewhere or v == installed]
             owner = max(holders, key=Version) if holders else None
+            if owner is None and (any(v in _matrix_versions(patch.distribution) for v in in_band)
+                                  or _old_session_runs_bands(patch)):
+                continue  # a full stack installs a release of it, or the old session runs it
             if in_band and in_band[-1] != installed and owner in (None, installed):
                 found.append((pid, band, in_band[-1], None))
     return found
+
+
+def _old_session_runs_bands(patch):
+    """Whether the old session runs this patch's bands that no stack installs (it applies to the old stack's
+    release; see _bands_no_stack_runs)."""
+    from packaging.specifiers import SpecifierSet
+
+    old = [pin.split("==")[1] for pin in json.loads(os.environ.get("DSPATCH_MATRIX", "{}")).get("old", [])
+           if pin.startswith(patch.distribution + "==")]
+    return any(SpecifierSet(patch.affected).contains(v) and SpecifierSet(patch.supported or ">=0").contains(v)
+               for v in old)
+
+
+def _small_session_running(pid, distribution, band):
+    """The session outside the matrix that proves `band` of patch `pid`: one that installs a release of the band and
+    whose keywords select the patch (noxfile passes DSPATCH_SMALL and the keywords, "a or b", as DSPATCH_SMALL_SELECTS);
+    None where none does."""
+    from packaging.specifiers import SpecifierSet
+
+    small = json.loads(os.environ.get("DSPATCH_SMALL", "{}"))
+    selects = json.loads(os.environ.get("DSPATCH_SMALL_SELECTS", "{}"))
+    for name, pins in small.items():
+        versions = [pin.split("==")[1] for pin in pins if pin.startswith(distribution + "==")]
+        if any(SpecifierSet(band).contains(v) for v in versions) and \
+                any(word.strip() in pid for word in selects.get(name, "").split(" or ") if word.strip()):
+            return name
+    return None
 
 
 def _other_small_sessions_install(distribution):
@@ -132,8 +169,7 @@ def test_diff_bands_no_stack_installs_fix_a_real_release_of_the_band(pid, band, 
     if pid == "none":
         pytest.skip("run on the old stack (the oldest dependencies of the matrix) and on sessions outside the matrix")
     if same_code:
-        pytest.skip(f"{version}'s targets are the code of {same_code}: only the diff's context differs "
-                    f"(`git apply --check` on every release of the band, unit session)")
+        pytest.skip(same_code)
     patch = registry.all_patches()[pid]
     top = patch.modules[0].split(".")[0]
     with tarfile.open(sdist(patch.distribution, version)) as tar:

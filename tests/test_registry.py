@@ -40,7 +40,7 @@ def test_every_patch_module_is_registered_and_complete():
 
 # What a reproducers module declares for dspatch.spec.Patch to read (see its docstring), and nothing else like it.
 DECLARED = {"SCENARIOS", "EXPECTED_ON_STOCK", "STOCK_FAILS_ON", "BAND_CHECK", "RELEASES_CHECKED",
-            "OTHERS_WITH_AND_WITHOUT", "SILENT", "NECESSITY_PROVEN_BY"}
+            "OTHERS_WITH_AND_WITHOUT", "SILENT", "LOUD_ON", "NECESSITY_PROVEN_BY"}
 
 
 def _looks_declared(name):
