@@ -12,7 +12,8 @@ import time
 
 import nox
 
-nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16", "ds0183", "ds0182"]
+nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16", "ds0183", "ds0182",
+                        "ds0192"]
 nox.options.error_on_missing_interpreters = True
 
 # torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
@@ -43,7 +44,10 @@ TF444_DS16 = ["deepspeed==0.16.3", "transformers==4.44.2", "accelerate==0.34.2"]
 SMALL = {"ds0183": ["deepspeed==0.18.3", "transformers==4.57.6", "accelerate==1.10.1"],
          # ds0182: the last release before that move, where ZeRO-2 kept only the last micro-batch of a window (and
          # no_sync micro-steps went undivided, as on mid and bridge)
-         "ds0182": ["deepspeed==0.18.2", "transformers==4.57.6", "accelerate==1.10.1"]}
+         "ds0182": ["deepspeed==0.18.2", "transformers==4.57.6", "accelerate==1.10.1"],
+         # ds0192: the one release where LoRA's fp32 adapters on a bf16 base fail ZeRO-3's coalesced all-gather, on
+         # the latest stack's other pins
+         "ds0192": ["deepspeed==0.19.2", "transformers==5.23.0", "accelerate==1.15.0", "peft==0.21.2"]}
 
 # The stacks' environments live outside the clone (a clean clone, as CI makes, would otherwise rebuild six of them
 # every run), in a folder named by a hash of everything installed into them: a changed pin is a new folder, never
@@ -201,6 +205,9 @@ ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduc
                        "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "
                        "grad-accum-scale-no-allreduce, its other bands' newest releases; bf16 at stage 0 "
                        "(zero0-bf16-grads)")
+
+ds0192 = small_session("ds0192", "lora-mixed-dtype", [],
+                       "ZeRO-3 + LoRA's fp32 adapters on a bf16 base (zero3-lora-mixed-dtype-allgather)")
 
 
 @nox.session(python="3.11")

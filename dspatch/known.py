@@ -52,10 +52,6 @@ KNOWN = (
           "call deepspeed.utils.set_z3_leaf_modules(model, [the sparse MoE block class]) before initialize, or set "
           "zero_optimization.leaf_module (0.18.0 does it for those three classes only)",
           (DS + "7604",), requires={"transformers": ">=4.52"}),
-    Known("deepspeed/zero3-lora-mixed-dtype-allgather", "deepspeed", "==0.19.2", "0.19.3",
-          "ZeRO-3 + LoRA with fp32 adapters on a bf16 base: `TypeError: output tensor must have the same type as "
-          "input tensor` in the parameter all-gather", "upgrade deepspeed (0.19.2 is the only release with it)",
-          (DS + "8073", DS + "8128")),
 )
 
 

@@ -41,4 +41,5 @@ MODULES = (
     "deepspeed.pipe_grad_accum_scale",
     "deepspeed.lr_schedules_multigroup",
     "deepspeed.zero3_allreduce_fetch_padding",
+    "deepspeed.zero3_lora_mixed_dtype_allgather",
 )

@@ -210,7 +210,9 @@ def test_without_deepspeed_and_in_training_nothing_changes():
     patched = json.loads(run_python(["-c", UNTOUCHED, PID], env=clean_env(DSPATCH=PID), warm="stack").stdout.strip().splitlines()[-1])
     assert stock["applied"] == [] and patched["applied"] == [PID]
     # ZeRO-3 PPO on deepspeed 0.16.9 (bridge) differed between two stock-equivalent processes by more than 1e-5 in
-    # a CI rehearsal: compared where it is reproducible; the wrapper does not run during training anywhere
+    # a CI rehearsal: compared where it is reproducible; the wrapper does not run during training anywhere. (Eight
+    # more runs on bridge under load, four stock, four with deepspeed/zero3-gather-waits-all, agreed within 1e-5:
+    # last-bit differences of CPU reductions only, 1e-7 relative, which one sampled token may amplify.)
     keys = ("no deepspeed: losses",) if STACK == "bridge" else ("no deepspeed: losses", "zero3: losses")
     for key in keys:
         assert len(stock[key]) == len(patched[key]) >= 2, key

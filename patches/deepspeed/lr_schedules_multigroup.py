@@ -61,7 +61,7 @@ PATCH = Patch(
     id="deepspeed/lr-schedules-multigroup",
     summary=("DeepSpeed's WarmupLR (without warmup_max_lr) and WarmupCosineLR give each param group its own "
              "learning rate (silent)"),
-    symptom="param groups with different rates: WarmupLR/WarmupCosineLR silently give them wrong rates",
+    symptom="WarmupLR/WarmupCosineLR: param groups with different rates silently get wrong ones",
     distribution="deepspeed",
     affected="<0.19.4",
     fixed_in="0.19.4",
