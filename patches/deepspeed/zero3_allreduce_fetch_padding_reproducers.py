@@ -37,7 +37,7 @@ def _poison_padding(model, rank):
 def _job(folder, fetch):
     import torch
 
-    from dspatch.scenario import finish_rank, init_deepspeed, on_accelerator, settle
+    from dspatch.scenario import finish_rank, gathered_whole, init_deepspeed, on_accelerator, settle
 
     deepspeed = init_deepspeed()
     settle()
@@ -59,8 +59,8 @@ def _job(folder, fetch):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            weights = {name: p.detach().cpu().tolist() for name, p in model.named_parameters()}
+        # one at a time: a gather of several at once can read early on gloo (deepspeed/zero3-gather-waits-all)
+        weights = {name: w.cpu().tolist() for name, w in gathered_whole(model.named_parameters()).items()}
     except TypeError as e:
         if "handle_dependency" not in str(e):
             raise

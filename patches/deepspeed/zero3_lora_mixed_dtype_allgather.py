@@ -19,8 +19,8 @@ dtype passes through unchanged. It composes with `deepspeed/zero3-gather-waits-a
 
 Proven with 2 ranks (gloo) on 0.19.2 with the latest stack's other pins: a tiny Llama built in bf16 under `zero.Init`,
 PEFT's LoRA on it (fp32 adapters), bf16 ZeRO-3, two steps of `engine.backward(loss); engine.step()`: stock fails with
-gloo's message at the first step; patched trains both steps, the same finite losses and adapter weights on both
-ranks, the adapters moved and still fp32.
+gloo's message at the first step; patched trains both steps on both ranks, finite losses, the adapters moved and
+still fp32.
 """
 from dspatch.spec import Patch, Signature, Target
 
