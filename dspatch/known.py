@@ -46,12 +46,6 @@ def in_range(item, version):
 DS = "https://github.com/deepspeedai/DeepSpeed/pull/"
 
 KNOWN = (
-    Known("deepspeed/zero3-moe-leaf-modules", "deepspeed", "<0.18.0", "0.18.0",
-          "ZeRO-3 + a sparse mixture-of-experts model (Mixtral, Qwen2-MoE, Qwen3-MoE): ranks whose tokens reach "
-          "different experts wait on each other for ever (a hang)",
-          "call deepspeed.utils.set_z3_leaf_modules(model, [the sparse MoE block class]) before initialize, or set "
-          "zero_optimization.leaf_module (0.18.0 does it for those three classes only)",
-          (DS + "7604",), requires={"transformers": ">=4.52"}),
 )
 
 

@@ -42,4 +42,5 @@ MODULES = (
     "deepspeed.lr_schedules_multigroup",
     "deepspeed.zero3_allreduce_fetch_padding",
     "deepspeed.zero3_lora_mixed_dtype_allgather",
+    "deepspeed.zero3_moe_leaf_modules",
 )
