@@ -15,7 +15,7 @@ STEPS, LR = 2, 0.5
 MESSAGES = ("output tensor must have the same type as input tensor", "ProcessGroupGloo::allgather: invalid tensor type")
 
 
-def _job(folder):
+def _job(folder, mode="lora"):
     import traceback
 
     import torch
@@ -32,7 +32,11 @@ def _job(folder):
               "zero_optimization": {"stage": 3}}
     with deepspeed.zero.Init(config_dict_or_path=config):
         base = tiny_llama()
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    if mode == "lora":
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                lora_dropout=0.0))
+    else:  # "bf16": the base alone, every parameter trained (one dtype: nothing for the fix to do)
+        model = base
     adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(list(adapters.values()), lr=LR),
@@ -50,21 +54,29 @@ def _job(folder):
             raise
         traceback.print_exc()  # upstream's traceback, as the job's log shows it
         error = f"{type(e).__name__}: {e}"
-    result = {"dtypes": dtypes, "losses": losses, "error": error}
+    from dspatch import _runtime
+
+    result = {"dtypes": dtypes, "losses": losses, "error": error, "applied": _runtime.applied_ids()}
     if error is None:
         after = gathered_whole(adapters.items())
         result.update(moved=sum(not torch.equal(before[n], after[n]) for n in after), count=len(after),
-                      adapter_dtypes=sorted({str(adapters[n].dtype) for n in adapters}))
+                      adapter_dtypes=sorted({str(adapters[n].dtype) for n in adapters}),
+                      digest={n: after[n].float().sum().item() for n in after})
     finish_rank(folder, result)
+
+
+def run(mode="lora"):
+    """The ranks' results of the 2-rank job: "lora" (fp32 adapters on the bf16 base) or "bf16" (the base alone)."""
+    from dspatch.scenario import launch_ranks
+
+    return launch_ranks(__name__, args=(mode,))
 
 
 def lora_bf16_zero3():
     """bf16 ZeRO-3 with LoRA's fp32 adapters on a bf16 base, 2 ranks: both steps train."""
     import math
 
-    from dspatch.scenario import launch_ranks
-
-    ranks = launch_ranks(__name__)
+    ranks = run()
     if any(r["dtypes"] != ["torch.bfloat16", "torch.float32"] for r in ranks):  # the run is the one meant
         raise AssertionError(f"the model's dtypes are {ranks[0]['dtypes']}, not a bf16 base with fp32 adapters")
     errors = [r["error"] for r in ranks if r["error"]]
@@ -87,4 +99,4 @@ RELEASES_CHECKED = ("0.19.1", "0.19.3")
 if __name__ == "__main__":
     import sys
 
-    _job(sys.argv[1])
+    _job(sys.argv[1], *sys.argv[2:])
