@@ -194,9 +194,10 @@ def small_session(name, keywords, own_tests, doc):
 
 ds0183 = small_session("ds0183",
                        "scale-wrt-gas or gas-per-tensor or output_hooks_gas or bf16 or pipe-grad or pipe_grad or "
-                       "lr-schedules or allreduce-fetch",
+                       "lr-schedules or allreduce-fetch or moe_leaf",
                        ["tests/test_output_hooks_gas.py", "tests/test_zero0_bf16_grads.py",
-                        "tests/test_pipe_grad_accum_scale.py", "tests/test_lr_schedules_multigroup.py"],
+                        "tests/test_pipe_grad_accum_scale.py", "tests/test_lr_schedules_multigroup.py",
+                        "tests/test_zero3_moe_leaf_modules.py"],
                        "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
                        "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
                        "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of zero3-allreduce-fetch-padding")

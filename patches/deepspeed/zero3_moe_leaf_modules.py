@@ -27,9 +27,10 @@ DeepSpeed's config) is left as it is, and so is one whose config sets `zero_opti
 to nothing); `DSPATCH_DISABLE=deepspeed/zero3-moe-leaf-modules` leaves it out. A leaf gathers all its experts at
 once: more memory for the block while it runs, as upstream's remedy has.
 
-Proven with 2 ranks (gloo) on the mid stack: a tiny Mixtral, ZeRO-3, each rank's tokens reaching other experts, two
-SGD steps: stock aborts at the first forward with gloo's size mismatch (each run is bounded by a deadline, for
-NCCL's hang); patched trains, with losses equal, to the bit, to the same job with the block set as a leaf by hand.
+Proven with 2 ranks (gloo) on the mid stack: a tiny Mixtral and a tiny Ernie 4.5 MoE (a class no DeepSpeed release
+marks), ZeRO-3, each rank's tokens reaching other experts, two SGD steps: stock aborts at the first forward with
+gloo's size mismatch (each run is bounded by a deadline, for NCCL's hang); patched trains, with losses equal, to the
+bit, to the same job with the block set as a leaf by hand.
 """
 from dspatch.spec import Patch, Signature, Target
 
@@ -65,9 +66,19 @@ def sparse_moe_blocks(module):
 
 
 def _user_set_leaf_modules(ds_config):
-    """Whether the DeepSpeed config sets zero_optimization.leaf_module itself (0.18.0 and later read it)."""
-    zero = getattr(ds_config, "zero_config", None)
-    return "leaf_module" in (getattr(zero, "model_fields_set", None) or ())
+    """Whether the DeepSpeed config (the user's dict or JSON file, as the engine passes it) sets
+    zero_optimization.leaf_module itself (0.18.0 and later read it)."""
+    import json
+
+    if isinstance(ds_config, str):
+        try:
+            with open(ds_config) as f:
+                ds_config = json.load(f)
+        except (OSError, ValueError):
+            return False
+    config = ds_config if isinstance(ds_config, dict) else getattr(ds_config, "_param_dict", None) or {}
+    zero = config.get("zero_optimization")
+    return isinstance(zero, dict) and "leaf_module" in zero
 
 
 def apply(txn):

@@ -1,5 +1,5 @@
-"""Reproducers: a 2-rank job of this module (gloo, CPU): a tiny Mixtral (1 layer, 4 experts, one expert per token)
-built from a config, ZeRO-3 with every parameter partitioned, SGD, two steps of `engine.backward(loss);
+"""Reproducers: a 2-rank job of this module (gloo, CPU): a tiny Mixtral, or Ernie 4.5 MoE (1 layer, 4 experts, one
+expert per token) built from a config, ZeRO-3 with every parameter partitioned, SGD, two steps of `engine.backward(loss);
 engine.step()`, each rank on its own tokens, which its router sends to other experts than the other rank's (the job
 checks that it is so, from the router's own choice).
 
@@ -15,15 +15,25 @@ from dspatch.spec import BugSeen
 STEPS, LR, DEADLINE = 2, 0.1, 120
 
 
-def _mixtral():
+def _model(kind):
+    """(a tiny sparse-MoE model, its block class): Mixtral (which DeepSpeed >= 0.18.0 marks itself) or Ernie 4.5 MoE
+    (which no DeepSpeed release marks); one layer, 4 experts, one expert per token."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
-                                        num_experts_per_tok=1, max_position_embeddings=32)
-    return transformers.MixtralForCausalLM(config)
+    shape = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=32)
+    if kind == "ernie":
+        from transformers.models.ernie4_5_moe import modeling_ernie4_5_moe as ernie
+
+        config = transformers.Ernie4_5_MoeConfig(**shape, moe_num_experts=4, moe_k=1, moe_intermediate_size=32,
+                                                 moe_num_shared_experts=0, moe_layer_start_index=0)
+        return transformers.Ernie4_5_MoeForCausalLM(config), ernie.Ernie4_5_MoeSparseMoeBlock
+    from transformers.models.mixtral import modeling_mixtral as mixtral
+
+    config = transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=1)
+    return transformers.MixtralForCausalLM(config), mixtral.MixtralSparseMoeBlock
 
 
 def _tokens(rank):
@@ -35,11 +45,11 @@ def _tokens(rank):
     return [torch.randint(low, high, (1, 8), generator=generator) for _ in range(STEPS)]
 
 
-def _experts_hit(model, rank):
+def _experts_hit(model, block_class, rank):
     """The experts the router picks for this rank's first micro-batch, before any training (plain torch)."""
     import torch
 
-    block = model.model.layers[0].block_sparse_moe
+    block = next(m for m in model.modules() if isinstance(m, block_class))
     seen = []
     handle = block.gate.register_forward_hook(lambda m, i, out: seen.append(out.argmax(-1).flatten().tolist()))
     with torch.no_grad():
@@ -48,7 +58,7 @@ def _experts_hit(model, rank):
     return sorted(set(seen[0]))
 
 
-def _job(folder, by_hand):
+def _job(folder, kind, by_hand):
     import torch
 
     from dspatch.scenario import finish_rank, init_deepspeed, on_accelerator, settle, zero3_config
@@ -56,15 +66,15 @@ def _job(folder, by_hand):
     deepspeed = init_deepspeed()
     settle()
     rank = torch.distributed.get_rank()
-    model = _mixtral()
-    hit = _experts_hit(model, rank)
+    model, block_class = _model(kind)
+    hit = _experts_hit(model, block_class, rank)
     if by_hand == "by_hand":
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-        deepspeed.utils.set_z3_leaf_modules(model, [MixtralSparseMoeBlock])
+        deepspeed.utils.set_z3_leaf_modules(model, [block_class])
     config = zero3_config()
     config.pop("optimizer")
     config.update(train_micro_batch_size_per_gpu=1, gradient_clipping=0.0, zero_allow_untested_optimizer=True)
+    if by_hand == "config_none":  # the user's own choice, on deepspeed >= 0.18.0: no leaf module at all
+        config["zero_optimization"]["leaf_module"] = {"classes": []}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), config=config)
     losses = []
     for ids in _tokens(rank):
@@ -75,40 +85,61 @@ def _job(folder, by_hand):
     finish_rank(folder, {"hit": hit, "losses": losses})
 
 
-def run(by_hand):
+def run(kind, by_hand):
     """The ranks' results, or the error of a job that failed or passed the deadline (a string)."""
     from dspatch.scenario import launch_ranks
 
+    import subprocess
+
     try:
-        return launch_ranks(__name__, args=(by_hand,), timeout=DEADLINE)
-    except (RuntimeError, TimeoutError) as e:  # a rank aborted, or the job passed the deadline
-        return str(e)
+        return launch_ranks(__name__, args=(kind, by_hand or "-"), timeout=DEADLINE)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:  # a rank aborted, or the job passed the deadline
+        return f"{type(e).__name__}: {e}"
 
 
-def routed_apart():
+def _how_it_failed(error):
+    """gloo's abort on a collective of another size (SIGABRT), or the deadline (NCCL's hang); None: otherwise."""
+    if " exited -6:" in error or "SIGABRT" in error:  # forked ranks, or torchrun's report
+        return "gloo aborted on a collective of another size"
+    if " exited -9:" in error or error.startswith("TimeoutExpired"):
+        return f"the job passed the {DEADLINE} s deadline"
+    return None
+
+
+def _routed_apart(kind):
     """2 ranks whose tokens reach different experts: both train, with the losses of the blocks set as leaves by hand."""
-    want = run("by_hand")
+    want = run(kind, "by_hand")
     if isinstance(want, str):
         raise AssertionError(f"the job with the leaves set by hand failed: {want[-2000:]}")
     if want[0]["hit"] == want[1]["hit"]:  # the run is the one meant
         raise AssertionError(f"both ranks' tokens reach the same experts {want[0]['hit']}: nothing to diverge")
-    got = run("")
+    got = run(kind, "")
     if isinstance(got, str):
         # gloo aborts the rank that receives a collective of another size (SIGABRT: "Received data size doesn't
-        # match expected size"); a rank past the deadline is killed (SIGKILL): NCCL's hang
-        how = next((why for code, why in ((" exited -6:", "gloo aborted on a collective of another size"),
-                                          (" exited -9:", f"the job passed the {DEADLINE} s deadline"))
-                    if code in got), None)
+        # match expected size"); a rank past the deadline is killed: NCCL's hang
+        how = _how_it_failed(got)
         if how is None:
             raise AssertionError(f"the job failed otherwise: {got[-3000:]}")
-        raise BugSeen(f"ZeRO-3, a sparse MoE block, ranks routing to experts {want[0]['hit']} and {want[1]['hit']}: "
+        raise BugSeen(f"ZeRO-3, {kind}'s sparse MoE block, ranks routing to experts {want[0]['hit']} and {want[1]['hit']}: "
                       f"the ranks' collectives diverge at the first forward ({how})")
     if [r["losses"] for r in got] != [r["losses"] for r in want]:
         raise AssertionError(f"trained, but not as with the leaves set by hand: {got} against {want}")
 
 
-SCENARIOS = {"routed_apart": routed_apart}
-EXPECTED_ON_STOCK = {"routed_apart": "the ranks' collectives diverge at the first forward"}
+def mixtral_routed_apart():
+    """Mixtral, 2 ranks whose tokens reach different experts: both train, as with the blocks set as leaves by hand."""
+    _routed_apart("mixtral")
+
+
+def ernie_routed_apart():
+    """Ernie 4.5 MoE (a class no DeepSpeed release marks), the same."""
+    _routed_apart("ernie")
+
+
+SCENARIOS = {"mixtral_routed_apart": mixtral_routed_apart, "ernie_routed_apart": ernie_routed_apart}
+EXPECTED_ON_STOCK = {"mixtral_routed_apart": "the ranks' collectives diverge at the first forward",
+                     "ernie_routed_apart": "the ranks' collectives diverge at the first forward"}
+STOCK_FAILS_ON = {"mixtral_routed_apart": "<0.18.0"}  # 0.18.0 marks Mixtral's block itself
 # The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
 RELEASES_CHECKED = ("0.14.0", "0.19.8")
 OTHERS_WITH_AND_WITHOUT = ({"transformers": "4.57.6"}, {"transformers": "4.51.3"})
@@ -117,4 +148,4 @@ OTHERS_WITH_AND_WITHOUT = ({"transformers": "4.57.6"}, {"transformers": "4.51.3"
 if __name__ == "__main__":
     import sys
 
-    _job(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
+    _job(sys.argv[1], sys.argv[2], sys.argv[3] if sys.argv[3] != "-" else "")
