@@ -207,7 +207,7 @@ ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduc
                        "grad-accum-scale-no-allreduce, its other bands' newest releases; bf16 at stage 0 "
                        "(zero0-bf16-grads)")
 
-ds0192 = small_session("ds0192", "lora-mixed-dtype", ["tests/test_zero3_lora_mixed_dtype_allgather.py"],
+ds0192 = small_session("ds0192", "lora-mixed-dtype or lora_mixed_dtype", ["tests/test_zero3_lora_mixed_dtype_allgather.py"],
                        "ZeRO-3 + LoRA's fp32 adapters on a bf16 base (zero3-lora-mixed-dtype-allgather)")
 
 
