@@ -384,6 +384,10 @@ class Transaction:
                 return t
         raise KeyError(qualname)
 
+    def has(self, qualname):
+        """Whether this release has the target (a Target declared with `releases` is absent from the others)."""
+        return any(t.qualname == qualname for t in self.patch.targets)
+
     def resolve(self, target):
         """(owner, attribute name, value) of a target in its imported module; where an earlier transaction
         of this patch still wraps it (after a reload elsewhere), the value behind that wrapper."""

@@ -16,11 +16,15 @@ from test_proofs import APPLICABLE
 pytestmark = pytest.mark.stack
 
 
+def _pinned(pins, distribution):
+    """The versions `pins` ("name==version" strings) give `distribution`."""
+    return [pin.split("==")[1] for pin in pins if pin.startswith(distribution + "==")]
+
+
 def _matrix_versions(distribution):
     """Versions of `distribution` some stack of the matrix installs (noxfile passes DSPATCH_MATRIX)."""
     stacks = json.loads(os.environ.get("DSPATCH_MATRIX", "{}"))
-    found = {pin.split("==")[1] for pins in stacks.values() for pin in pins if pin.startswith(distribution + "==")}
-    return sorted(found)
+    return sorted({v for pins in stacks.values() for v in _pinned(pins, distribution)})
 
 
 def _declared(target, version):
@@ -117,13 +121,15 @@ def _other_releases_of_this_sessions_bands():
 
 def _old_session_runs_bands(patch):
     """Whether the old session runs this patch's bands that no stack installs (it applies to the old stack's
-    release; see _bands_no_stack_runs)."""
+    release, with the other packages it requires there as pinned; see _bands_no_stack_runs)."""
     from packaging.specifiers import SpecifierSet
 
-    old = [pin.split("==")[1] for pin in json.loads(os.environ.get("DSPATCH_MATRIX", "{}")).get("old", [])
-           if pin.startswith(patch.distribution + "==")]
-    return any(SpecifierSet(patch.affected).contains(v) and SpecifierSet(patch.supported or ">=0").contains(v)
-               for v in old)
+    old = json.loads(os.environ.get("DSPATCH_MATRIX", "{}")).get("old", [])
+    others_there = all(SpecifierSet(wanted).contains(v) for other, wanted in patch.requires.items()
+                       for v in _pinned(old, other))  # one the old pins do not name (torch) is not held against it
+    return others_there and any(SpecifierSet(patch.affected).contains(v)
+                                and SpecifierSet(patch.supported or ">=0").contains(v)
+                                for v in _pinned(old, patch.distribution))
 
 
 def _small_session_running(pid, distribution, band):
@@ -135,8 +141,7 @@ def _small_session_running(pid, distribution, band):
     small = json.loads(os.environ.get("DSPATCH_SMALL", "{}"))
     selects = json.loads(os.environ.get("DSPATCH_SMALL_SELECTS", "{}"))
     for name, pins in small.items():
-        versions = [pin.split("==")[1] for pin in pins if pin.startswith(distribution + "==")]
-        if any(SpecifierSet(band).contains(v) for v in versions) and \
+        if any(SpecifierSet(band).contains(v) for v in _pinned(pins, distribution)) and \
                 any(word.strip() in pid for word in selects.get(name, "").split(" or ") if word.strip()):
             return name
     return None
@@ -145,8 +150,7 @@ def _small_session_running(pid, distribution, band):
 def _other_small_sessions_install(distribution):
     """The releases of `distribution` the other sessions outside the matrix install (noxfile passes DSPATCH_SMALL)."""
     small = json.loads(os.environ.get("DSPATCH_SMALL", "{}"))
-    return {pin.split("==")[1] for name, pins in small.items() if name != STACK for pin in pins
-            if pin.startswith(distribution + "==")}
+    return {v for name, pins in small.items() if name != STACK for v in _pinned(pins, distribution)}
 
 
 STACK = os.environ.get("DSPATCH_TEST_STACK")

@@ -54,7 +54,7 @@ def apply(txn):
         return rates
 
     txn.wrap(txn.target(WARMUP_INIT), own_max_lrs)
-    if any(target.qualname == COSINE_GET_LR for target in txn.patch.targets):  # 0.15.3-0.18.9
+    if txn.has(COSINE_GET_LR):  # 0.15.3-0.18.9
         txn.wrap(txn.target(COSINE_GET_LR), one_rate_per_group)
 
 

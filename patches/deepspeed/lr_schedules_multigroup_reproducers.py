@@ -76,7 +76,7 @@ def _model(one_group=False):
 def _pairs():
     from dspatch.patches.deepspeed.grad_accum_scale_no_allreduce_reproducers import _pairs as pairs
 
-    return [(x, y) for x, y in pairs()][:STEPS]
+    return pairs()[:STEPS]
 
 
 def _plain_torch(schedule):

@@ -90,7 +90,7 @@ def apply(txn):
 
     txn.wrap(txn.target(STEP), step_then_clear)
     txn.wrap(txn.target(CONFIGURE), mark_for_bf16)
-    if any(target.qualname == LOAD for target in txn.patch.targets):  # 0.18.3-0.18.5: the gate's choice
+    if txn.has(LOAD):  # 0.18.3-0.18.5: the gate's choice
         txn.wrap(txn.target(LOAD), still_unscaled)
 
 

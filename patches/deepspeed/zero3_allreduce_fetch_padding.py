@@ -51,7 +51,7 @@ def apply(txn):
         return wrapped(*args)  # the coordinator's handle_dependency=: 0.17.3's wait(**kwargs) ignores it too
 
     txn.recode(txn.target(CONVERT), advance_by_the_padded_length)
-    if any(target.qualname == WAIT for target in txn.patch.targets):  # 0.16.3-0.17.2
+    if txn.has(WAIT):  # 0.16.3-0.17.2
         txn.wrap(txn.target(WAIT), takes_handle_dependency)
 
 
