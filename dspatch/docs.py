@@ -82,12 +82,19 @@ def full_table():
     return "\n".join(lines)
 
 
+def _on(patch, releases):
+    """A STOCK_FAILS_ON value in words: "deepspeed <0.18.0, transformers <4.40.0 or >=4.52.0"."""
+    from dspatch.spec import stock_fails_on
+
+    return ", ".join(f"{name} {' or '.join(specs)}" for name, specs in stock_fails_on(patch.distribution, releases).items())
+
+
 def _proof_rows(patch, with_patch=True):
     rows = []
     for name, scenario in patch.scenarios.items():
         doc = _cell((scenario.__doc__ or "").split(". ")[0].rstrip("."))
         fragment, releases = patch.declared_on_stock.get(name, (None, None))
-        shown = f"`{fragment}`{f' ({patch.distribution} {releases})' if releases else ''}" if fragment \
+        shown = f"`{fragment}`{f' ({_on(patch, releases)})' if releases else ''}" if fragment \
             else "passes on stock too"
         rows.append((f"| `{patch.id}` | " if with_patch else "| ") + f"`{name}` | {doc} | {_cell(shown)} |")
     return rows

@@ -61,6 +61,29 @@ class Signature:
         return f"Signature({self.error + ': ' if self.error else ''}{self.message!r})"
 
 
+def stock_fails_on(distribution, releases):
+    """A STOCK_FAILS_ON value as {distribution: (specifier, ...)} (any of a distribution's specifiers will do)."""
+    if isinstance(releases, str):
+        releases = {distribution: releases}
+    return {name: (specs,) if isinstance(specs, str) else tuple(specs) for name, specs in releases.items()}
+
+
+def _installed_within(releases):
+    """Whether every distribution of `releases` ({distribution: (specifier, ...)}) is installed within one of its
+    specifiers."""
+    from dspatch.gating import installed_version
+    from dspatch.versions import InvalidVersion, SpecifierSet
+
+    for distribution, specs in releases.items():
+        version = installed_version(distribution)
+        try:
+            if version is None or not any(SpecifierSet(s).contains(version, prereleases=True) for s in specs):
+                return False
+        except InvalidVersion:
+            return False
+    return True
+
+
 class Patch:
     """One upstream bug, the versions it affects, the code it touches and how to fix it in-process.
 
@@ -77,7 +100,8 @@ class Patch:
       that stock upstream must show, the proof that the patch is needed; only that failure counts as the bug),
       `RELEASES_CHECKED` ((first, last) release that tests/test_releases.py checks), optionally
       `STOCK_FAILS_ON` ({scenario: PEP 440 specifier}: the releases of the distribution whose stock shows that
-      failure, where stock passes the scenario on the others), `BAND_CHECK` (the cheapest reproducer, run on the
+      failure, where stock passes the scenario on the others; or {scenario: {distribution: specifier, or a tuple
+      of specifiers of which any will do}}, where it takes other packages' releases too), `BAND_CHECK` (the cheapest reproducer, run on the
       released source of each diff band no test stack installs; default: the first of EXPECTED_ON_STOCK),
       `OTHERS_WITH_AND_WITHOUT` (for `requires`: ({other: a version with the bug's need}, {other: one without}),
       for the release suite), `SILENT` (why `explain` cannot name a bug that writes nothing to a log; with
@@ -151,24 +175,15 @@ class Patch:
     @property
     def expected_on_stock(self):
         """{scenario: fragment} that stock of the installed release must show."""
-        from dspatch.gating import installed_version
-        from dspatch.versions import InvalidVersion, SpecifierSet
-
         expected = {}
         for name, (fragment, releases) in self.declared_on_stock.items():
-            if releases is not None:
-                version = installed_version(self.distribution)
-                try:
-                    if version is None or not SpecifierSet(releases).contains(version, prereleases=True):
-                        continue
-                except InvalidVersion:
-                    continue
-            expected[name] = fragment
+            if releases is None or _installed_within(stock_fails_on(self.distribution, releases)):
+                expected[name] = fragment
         return expected
 
     @property
     def band_check(self):
-        return self._declared("BAND_CHECK", None) or next(iter(self.expected_on_stock), None)
+        return self._declared("BAND_CHECK", None) or next(iter(self.expected_on_stock or self.declared_on_stock), None)
 
     def _declared(self, name, default):
         """What the reproducers module declares under `name`, or `default` (no such name, or no module)."""

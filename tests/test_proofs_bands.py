@@ -21,10 +21,21 @@ def _pinned(pins, distribution):
     return [pin.split("==")[1] for pin in pins if pin.startswith(distribution + "==")]
 
 
-def _matrix_versions(distribution):
-    """Versions of `distribution` some stack of the matrix installs (noxfile passes DSPATCH_MATRIX)."""
+def _matrix_versions(distribution, patch=None):
+    """Versions of `distribution` some stack of the matrix installs (noxfile passes DSPATCH_MATRIX); with `patch`, only
+    on the stacks whose other packages are those its bug needs (`requires`): on the others it does not apply."""
     stacks = json.loads(os.environ.get("DSPATCH_MATRIX", "{}"))
-    return sorted({v for pins in stacks.values() for v in _pinned(pins, distribution)})
+    return sorted({v for pins in stacks.values() for v in _pinned(pins, distribution)
+                   if patch is None or _meets_requires(patch, pins)})
+
+
+def _meets_requires(patch, pins):
+    """Whether `pins` give the other packages `patch` requires a version it needs (one they do not name, torch, is
+    not held against them)."""
+    from packaging.specifiers import SpecifierSet
+
+    return all(SpecifierSet(wanted).contains(v) for other, wanted in patch.requires.items()
+               for v in _pinned(pins, other))
 
 
 def _declared(target, version):
@@ -68,7 +79,7 @@ def _bands_no_stack_runs():
             releases = sdist_versions(patch.distribution, "0.0", "999")
             # releases a stack runs where the patch applies (there the stack proves the diff), in the same order on
             # every worker
-            covered = [v for v in releases if v in _matrix_versions(patch.distribution)
+            covered = [v for v in releases if v in _matrix_versions(patch.distribution, patch)
                        and SpecifierSet(patch.affected).contains(v) and SpecifierSet(patch.supported).contains(v)]
             seen = {}
             for v in covered:
@@ -111,7 +122,7 @@ def _other_releases_of_this_sessions_bands():
             # session installs one, to each session the patch applies to)
             holders = [v for v in in_band if v in elsewhere or v == installed]
             owner = max(holders, key=Version) if holders else None
-            if owner is None and (any(v in _matrix_versions(patch.distribution) for v in in_band)
+            if owner is None and (any(v in _matrix_versions(patch.distribution, patch) for v in in_band)
                                   or _old_session_runs_bands(patch)):
                 continue  # a full stack installs a release of it, or the old session runs it
             if in_band and in_band[-1] != installed and owner in (None, installed):
@@ -125,9 +136,7 @@ def _old_session_runs_bands(patch):
     from packaging.specifiers import SpecifierSet
 
     old = json.loads(os.environ.get("DSPATCH_MATRIX", "{}")).get("old", [])
-    others_there = all(SpecifierSet(wanted).contains(v) for other, wanted in patch.requires.items()
-                       for v in _pinned(old, other))  # one the old pins do not name (torch) is not held against it
-    return others_there and any(SpecifierSet(patch.affected).contains(v)
+    return _meets_requires(patch, old) and any(SpecifierSet(patch.affected).contains(v)
                                 and SpecifierSet(patch.supported or ">=0").contains(v)
                                 for v in _pinned(old, patch.distribution))
 

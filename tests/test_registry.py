@@ -32,7 +32,7 @@ def test_every_patch_module_is_registered_and_complete():
         assert isinstance(patch, Patch) and pid.startswith(patch.distribution + "/")
         assert patch.targets and all(t.fingerprints for t in patch.targets), pid
         assert patch.links and patch.summary and patch.affected
-        assert set(patch.expected_on_stock) <= set(patch.scenarios) and patch.expected_on_stock
+        assert set(patch.declared_on_stock) <= set(patch.scenarios) and patch.declared_on_stock
         assert patch.band_check in patch.scenarios
         for diff in patch.diffs.values():
             assert os.path.isfile(os.path.join(data_dir("upstream_prs"), diff)), diff

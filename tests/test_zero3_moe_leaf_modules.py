@@ -26,11 +26,13 @@ def _run(mode, kind="mixtral", **env):
     return last_json(run_python(["-c", RUN, mode, kind], env=clean_env(**env), warm="stack"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def applies_here():
+@pytest.fixture(autouse=True)
+def applies_here(request):
     from dspatch import gating, registry, upstream
     from dspatch.versions import Version
 
+    if request.node.get_closest_marker("unit_only"):  # released sources only
+        return
     if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
         pytest.skip(f"{PID} does not apply to this stack")
     if Version(upstream.installed_version("deepspeed")) < Version("0.18.0"):  # CI time: the shared proofs run here
@@ -55,3 +57,44 @@ def test_a_config_that_sets_leaf_module_itself_is_obeyed():
     obeyed = _run("config_none", "ernie", DSPATCH="1")
     assert PID in obeyed["applied"]
     assert isinstance(obeyed["ranks"], str) and _how_it_failed(obeyed["ranks"]), obeyed  # no leaf: they diverge
+
+
+def _blocks_that_skip_experts(version):
+    """{(module, class)} of that transformers release whose forward loops over experts, skips those without tokens
+    (`expert_hit`, or a `continue`) and runs each as a module of its own (`self.experts[...]`): read from its sdist."""
+    import ast
+    import re
+    import tarfile
+
+    from upstream_releases import sdist
+
+    found = set()
+    with tarfile.open(sdist("transformers", version), "r|gz") as tar:
+        for member in tar:
+            path = re.search(r"src/(transformers/models/\w+/modeling_\w+)\.py$", member.name)
+            if not path or not member.isfile():
+                continue
+            text = tar.extractfile(member).read().decode()
+            if "expert" not in text:
+                continue
+            for cls in (node for node in ast.parse(text).body if isinstance(node, ast.ClassDef)):
+                for loop in (node for fn in cls.body if isinstance(fn, ast.FunctionDef) and fn.name == "forward"
+                             for node in ast.walk(fn) if isinstance(node, ast.For)):
+                    source = ast.get_source_segment(text, loop)
+                    head = source.splitlines()[0]
+                    skips = "expert_hit" in head or any(isinstance(n, ast.Continue) for n in ast.walk(loop))
+                    if "expert" in head and skips and "self.experts[" in source:
+                        found.add((path.group(1).replace("/", "."), cls.name))
+    return found
+
+
+# the releases where the set changes: Mixtral skips (4.36-4.39), then not, Jamba and PhiMoE come, the `expert_hit`
+# routing comes (4.52), then the last release before transformers 5 (read once over every release 4.36.0-4.57.6)
+@pytest.mark.unit_only
+@pytest.mark.parametrize("version", ["4.39.3", "4.40.0", "4.51.3", "4.52.1", "4.57.6"])
+def test_the_blocks_it_marks_are_those_the_release_runs_apart(version):
+    from dspatch.patches.deepspeed.zero3_moe_leaf_modules import SPARSE_MOE_BLOCKS, skips_experts
+
+    declared = {(module, name) for module, classes in SPARSE_MOE_BLOCKS.items() for name in classes
+                if skips_experts(module, name, version)}
+    assert _blocks_that_skip_experts(version) == declared, version

@@ -1,35 +1,42 @@
-"""ZeRO-3 treats the sparse mixture-of-experts blocks of transformers 4.52-4.57 as leaf modules, so that ranks whose
-tokens reach different experts no longer wait on each other for ever (every deepspeed release; 0.18.0 does it for
-three of the classes).
+"""ZeRO-3 treats the sparse mixture-of-experts blocks of transformers 4.36-4.57 that run only the experts their tokens
+reached as leaf modules, so that ranks whose tokens reach different experts no longer wait on each other for ever
+(every deepspeed release; 0.18.0 does it for three of the classes).
 
 Stock hangs at the first forward (NCCL), or aborts on a collective of another size (gloo).
 
 The hang users of mixture-of-experts models report most (Mixtral, Qwen2-MoE, Qwen3-MoE and more: DeepSpeed issue
-7461, ms-swift 5875, LLaMA-Factory 9222, trl 4204, open-r1 701). From transformers 4.52 the sparse MoE block runs
-only the experts that received tokens (`expert_hit`). Under ZeRO-3 each expert is a module whose parameters are
-gathered by a collective when it runs, so two ranks whose tokens reach different experts enter different collectives
-and wait on each other for ever. DeepSpeed's remedy is to make the whole block a ZeRO-3 leaf (PR 4966,
-`deepspeed.utils.set_z3_leaf_modules`): its parameters are gathered together when the block runs, on every rank.
-0.18.0 (PR 7604) marks Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks by default (`zero_optimization.leaf_module`),
-and no other; trl and the Trainer mark none. transformers 5 keeps each block's experts in one module's tensors, so
-there every rank gathers the same parameters.
+7461, ms-swift 5875, LLaMA-Factory 9222, trl 4204, open-r1 701). A sparse MoE block that runs only the experts which
+received tokens (`expert_hit`, or `if top_x.shape[0] == 0: continue`) runs a different set of modules on each rank.
+Under ZeRO-3 each expert is a module whose parameters are gathered by a collective when it runs, so two ranks whose
+tokens reach different experts enter different collectives and wait on each other for ever. DeepSpeed's remedy is to
+make the whole block a ZeRO-3 leaf (PR 4966, after Mixtral's hang of January 2024, `deepspeed.utils.
+set_z3_leaf_modules`): its parameters are gathered together when the block runs, on every rank. 0.18.0 (PR 7604)
+marks Mixtral's, Qwen2-MoE's and Qwen3-MoE's blocks by default (`zero_optimization.leaf_module`), and no other; trl
+and the Trainer mark none. transformers 5 keeps each block's experts in one module's tensors, so there every rank
+gathers the same parameters.
 
-The classes with that routing, read from every transformers release 4.52.1-4.57.6 (`expert_hit` with one module
-per expert): MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock (4.52+), Qwen3MoeSparseMoeBlock and
-MiniMaxSparseMoeBlock (4.53+), Ernie4_5_MoeSparseMoeBlock (4.54+), HunYuanMoEV1Moe (4.56+), Qwen3NextSparseMoeBlock
-and the two Qwen3OmniMoe text blocks (4.57).
+The classes with that routing and one module per expert, read from every transformers release 4.36.0-4.57.6
+(`SPARSE_MOE_BLOCKS` below; the patch's own test reads the released sources where the list changes):
+- MixtralSparseMoeBlock: 4.36.0-4.39.3 (`continue`), then again from 4.52 (`expert_hit`); 4.40-4.51 run every expert;
+- JambaSparseMoeBlock (4.40+) and PhimoeSparseMoeBlock (4.46+): `continue`, since they were added;
+- Qwen2MoeSparseMoeBlock from 4.52 (every expert before), Qwen3MoeSparseMoeBlock and MiniMaxSparseMoeBlock (4.53+),
+  Ernie4_5_MoeSparseMoeBlock (4.54+), HunYuanMoEV1Moe (4.56+), Qwen3NextSparseMoeBlock and the two Qwen3OmniMoe text
+  blocks (4.57): `expert_hit`.
+DBRX and gpt-oss skip experts too, but keep every expert in one module's tensors: not affected.
 
 It changes behaviour, not code: when a ZeRO-3 engine sets up its parameter hooks (`DeepSpeedZeRoOffload.__init__`)
 on a model where no module is a leaf yet, the instances of those classes in the model become leaves, as
-`set_z3_leaf_modules` would make them (on 0.18.0 and later DeepSpeed has marked its three first, and then the
-patch adds nothing for them). The user's choice wins: a model with any leaf already set (by the user, or by
-DeepSpeed's config) is left as it is, and so is one whose config sets `zero_optimization.leaf_module` itself (even
-to nothing); `DSPATCH_DISABLE=deepspeed/zero3-moe-leaf-modules` leaves it out. A leaf gathers all its experts at
-once: more memory for the block while it runs, as upstream's remedy has.
+`set_z3_leaf_modules` would make them, where the installed transformers runs that class's experts apart (Mixtral on
+4.40-4.51 is left as it is); on 0.18.0 and later DeepSpeed has marked its three first, and then the patch adds
+nothing for them. The user's choice wins: a model with any leaf already set (by the user, or by DeepSpeed's config)
+is left as it is, and so is one whose config sets `zero_optimization.leaf_module` itself (even to nothing);
+`DSPATCH_DISABLE=deepspeed/zero3-moe-leaf-modules` leaves it out. A leaf gathers all its experts at once: more memory
+for the block while it runs, as upstream's remedy has.
 
-Proven with 2 ranks (gloo) on the mid stack: a tiny Mixtral and a tiny Ernie 4.5 MoE (a class no DeepSpeed release
-marks), ZeRO-3, each rank's tokens reaching other experts, two SGD steps: stock aborts at the first forward with
-gloo's size mismatch (each run is bounded by a deadline, for NCCL's hang); patched trains, with losses equal, to the
+Proven with 2 ranks (gloo) on the old, bridge and mid stacks (transformers 4.44.2, 4.46.3, 4.57.6): a tiny Jamba (a
+class no DeepSpeed release marks) and a tiny Mixtral, ZeRO-3, each rank's tokens reaching other experts, two SGD
+steps: stock aborts at the first forward with gloo's size mismatch (each run is bounded by a deadline, for NCCL's
+hang; Mixtral only where its block skips experts, on deepspeed < 0.18.0); patched trains, with losses equal, to the
 bit, to the same job with the block set as a leaf by hand.
 """
 from dspatch.spec import Patch, Signature, Target
@@ -40,29 +47,43 @@ TARGETS = (Target(OFFLOAD, INIT, {"185b57320c77593a": "0.14.0-0.15.3", "84bc6162
                                   "b59cbbff3d8de77d": "0.16.0-0.16.2", "84233647a419fa26": "0.16.3",
                                   "f90371604fd114b1": "0.16.4-0.18.0", "1308c4ff9b0f3993": "0.18.1-0.18.7",
                                   "fcf8ec8473fe9f91": "0.18.8-0.19.4", "080003b1024f660a": "0.19.5-0.19.8"}),)
-# {transformers module: block classes whose forward runs only the experts its tokens reached, one module each}
+# {transformers module: {block class whose forward runs only the experts its tokens reached, one module each: the
+# transformers releases where it does so (any of the specifiers)}}; transformers 5 has none (`requires`)
 SPARSE_MOE_BLOCKS = {
-    "transformers.models.mixtral.modeling_mixtral": ("MixtralSparseMoeBlock",),
-    "transformers.models.qwen2_moe.modeling_qwen2_moe": ("Qwen2MoeSparseMoeBlock",),
-    "transformers.models.qwen3_moe.modeling_qwen3_moe": ("Qwen3MoeSparseMoeBlock",),
-    "transformers.models.minimax.modeling_minimax": ("MiniMaxSparseMoeBlock",),
-    "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe": ("Ernie4_5_MoeSparseMoeBlock",),
-    "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe": ("HunYuanMoEV1Moe",),
-    "transformers.models.qwen3_next.modeling_qwen3_next": ("Qwen3NextSparseMoeBlock",),
-    "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe": ("Qwen3OmniMoeThinkerTextSparseMoeBlock",
-                                                                   "Qwen3OmniMoeTalkerTextSparseMoeBlock"),
+    "transformers.models.mixtral.modeling_mixtral": {"MixtralSparseMoeBlock": ("<4.40.0", ">=4.52.0")},
+    "transformers.models.jamba.modeling_jamba": {"JambaSparseMoeBlock": (">=4.40.0",)},
+    "transformers.models.phimoe.modeling_phimoe": {"PhimoeSparseMoeBlock": (">=4.46.0",)},
+    "transformers.models.qwen2_moe.modeling_qwen2_moe": {"Qwen2MoeSparseMoeBlock": (">=4.52.0",)},
+    "transformers.models.qwen3_moe.modeling_qwen3_moe": {"Qwen3MoeSparseMoeBlock": (">=4.53.0",)},
+    "transformers.models.minimax.modeling_minimax": {"MiniMaxSparseMoeBlock": (">=4.53.0",)},
+    "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe": {"Ernie4_5_MoeSparseMoeBlock": (">=4.54.0",)},
+    "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe": {"HunYuanMoEV1Moe": (">=4.56.0",)},
+    "transformers.models.qwen3_next.modeling_qwen3_next": {"Qwen3NextSparseMoeBlock": (">=4.57.0",)},
+    "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe": {"Qwen3OmniMoeThinkerTextSparseMoeBlock": (">=4.57.0",),
+                                                                   "Qwen3OmniMoeTalkerTextSparseMoeBlock": (">=4.57.0",)},
 }
 
 
 # a frame of a sparse-MoE model's forward, and of ZeRO-3's fetch, in the log (a hang or gloo's abort shows both)
-SPARSE_MOE_FRAME = r"modeling_(mixtral|qwen2_moe|qwen3_moe|minimax|ernie4_5_moe|hunyuan_v1_moe|qwen3_next|qwen3_omni_moe)\.py"
+SPARSE_MOE_FRAME = r"modeling_(mixtral|jamba|phimoe|qwen2_moe|qwen3_moe|minimax|ernie4_5_moe|hunyuan_v1_moe|qwen3_next|qwen3_omni_moe)\.py"
 COORDINATOR_FRAME = r"partitioned_param_coordinator\.py"
 
 
+def skips_experts(module_name, class_name, transformers_version):
+    """Whether that class of that transformers release runs only the experts its tokens reached (SPARSE_MOE_BLOCKS)."""
+    from dspatch.versions import SpecifierSet
+
+    spans = SPARSE_MOE_BLOCKS.get(module_name, {}).get(class_name, ())
+    return any(SpecifierSet(span).contains(transformers_version, prereleases=True) for span in spans)
+
+
 def sparse_moe_blocks(module):
-    """The modules of `module` whose class is one of SPARSE_MOE_BLOCKS (by module and name: nothing is imported)."""
-    return [m for m in module.modules()
-            if type(m).__name__ in SPARSE_MOE_BLOCKS.get(type(m).__module__, ())]
+    """The modules of `module` whose class runs only the experts its tokens reached, on the transformers imported
+    (by module and name: nothing more is imported)."""
+    import sys
+
+    version = getattr(sys.modules.get("transformers"), "__version__", None)
+    return [m for m in module.modules() if version and skips_experts(type(m).__module__, type(m).__name__, version)]
 
 
 def _user_set_leaf_modules(ds_config):
@@ -98,14 +119,14 @@ def apply(txn):
 
 PATCH = Patch(
     id="deepspeed/zero3-moe-leaf-modules",
-    summary=("ZeRO-3 makes the sparse mixture-of-experts blocks of transformers 4.52-4.57 leaf modules where the user "
+    summary=("ZeRO-3 makes the sparse mixture-of-experts blocks of transformers 4.36-4.57 leaf modules where the user "
              "set none, so ranks routing tokens to different experts do not hang"),
-    symptom="ZeRO-3, Mixtral/Qwen-MoE and more on transformers 4.52-4.57: the first forward hangs",
+    symptom="ZeRO-3, Mixtral/Qwen-MoE/Jamba and more on transformers 4.36-4.57: the first forward hangs",
     distribution="deepspeed",
     affected=">=0",
     fixed_in=None,
     supported=">=0.14.0",
-    requires={"transformers": ">=4.52.0,<5.0.0"},
+    requires={"transformers": ">=4.36.0,<5.0.0"},
     targets=TARGETS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/issues/7461", "https://github.com/deepspeedai/DeepSpeed/pull/7604",

@@ -1,5 +1,5 @@
-"""Reproducers: a 2-rank job of this module (gloo, CPU): a tiny Mixtral, or Ernie 4.5 MoE (1 layer, 4 experts, one
-expert per token) built from a config, ZeRO-3 with every parameter partitioned, SGD, two steps of `engine.backward(loss);
+"""Reproducers: a 2-rank job of this module (gloo, CPU): a tiny Mixtral, Jamba (attention and experts only) or Ernie
+4.5 MoE (1 layer, 4 experts, one expert per token) built from a config, ZeRO-3 with every parameter partitioned, SGD, two steps of `engine.backward(loss);
 engine.step()`, each rank on its own tokens, which its router sends to other experts than the other rank's (the job
 checks that it is so, from the router's own choice).
 
@@ -16,8 +16,8 @@ STEPS, LR, DEADLINE = 2, 0.1, 120
 
 
 def _model(kind):
-    """(a tiny sparse-MoE model, its block class): Mixtral (which DeepSpeed >= 0.18.0 marks itself) or Ernie 4.5 MoE
-    (which no DeepSpeed release marks); one layer, 4 experts, one expert per token."""
+    """(a tiny sparse-MoE model, its block class): Mixtral (which DeepSpeed >= 0.18.0 marks itself), Jamba (4.40+) or
+    Ernie 4.5 MoE (4.54+; neither is marked by any DeepSpeed release); one layer, 4 experts, one expert per token."""
     import torch
     import transformers
 
@@ -30,6 +30,13 @@ def _model(kind):
         config = transformers.Ernie4_5_MoeConfig(**shape, moe_num_experts=4, moe_k=1, moe_intermediate_size=32,
                                                  moe_num_shared_experts=0, moe_layer_start_index=0)
         return transformers.Ernie4_5_MoeForCausalLM(config), ernie.Ernie4_5_MoeSparseMoeBlock
+    if kind == "jamba":  # one attention layer with experts: no Mamba layer, so no Mamba kernels either
+        from transformers.models.jamba import modeling_jamba as jamba
+
+        config = transformers.JambaConfig(**shape, num_experts=4, num_experts_per_tok=1, attn_layer_period=1,
+                                          attn_layer_offset=0, expert_layer_period=1, expert_layer_offset=0,
+                                          use_mamba_kernels=False, use_cache=False)
+        return transformers.JambaForCausalLM(config), jamba.JambaSparseMoeBlock
     from transformers.models.mixtral import modeling_mixtral as mixtral
 
     config = transformers.MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=1)
@@ -51,7 +58,8 @@ def _experts_hit(model, block_class, rank):
 
     block = next(m for m in model.modules() if isinstance(m, block_class))
     seen = []
-    handle = block.gate.register_forward_hook(lambda m, i, out: seen.append(out.argmax(-1).flatten().tolist()))
+    router = block.router if hasattr(block, "router") else block.gate  # Jamba's name, the others'
+    handle = router.register_forward_hook(lambda m, i, out: seen.append(out.argmax(-1).flatten().tolist()))
     with torch.no_grad():
         model(_tokens(rank)[0])
     handle.remove()
@@ -131,18 +139,23 @@ def mixtral_routed_apart():
     _routed_apart("mixtral")
 
 
-def ernie_routed_apart():
-    """Ernie 4.5 MoE (a class no DeepSpeed release marks), the same."""
-    _routed_apart("ernie")
+def jamba_routed_apart():
+    """Jamba (a class no DeepSpeed release marks; transformers 4.40+, Mixtral before), the same."""
+    from dspatch.upstream import installed_version
+    from dspatch.versions import Version
+
+    _routed_apart("jamba" if Version(installed_version("transformers")) >= Version("4.40.0") else "mixtral")
 
 
-SCENARIOS = {"mixtral_routed_apart": mixtral_routed_apart, "ernie_routed_apart": ernie_routed_apart}
+SCENARIOS = {"mixtral_routed_apart": mixtral_routed_apart, "jamba_routed_apart": jamba_routed_apart}
 EXPECTED_ON_STOCK = {"mixtral_routed_apart": "the ranks' collectives diverge at the first forward",
-                     "ernie_routed_apart": "the ranks' collectives diverge at the first forward"}
-STOCK_FAILS_ON = {"mixtral_routed_apart": "<0.18.0"}  # 0.18.0 marks Mixtral's block itself
+                     "jamba_routed_apart": "the ranks' collectives diverge at the first forward"}
+# Mixtral's block runs every expert on transformers 4.40-4.51, and 0.18.0 marks it itself
+STOCK_FAILS_ON = {"mixtral_routed_apart": {"deepspeed": "<0.18.0", "transformers": ("<4.40.0", ">=4.52.0")},
+                  "jamba_routed_apart": {"transformers": ">=4.40.0"}}
 # The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
 RELEASES_CHECKED = ("0.14.0", "0.19.8")
-OTHERS_WITH_AND_WITHOUT = ({"transformers": "4.57.6"}, {"transformers": "4.51.3"})
+OTHERS_WITH_AND_WITHOUT = ({"transformers": "4.57.6"}, {"transformers": "5.0.0"})
 
 
 if __name__ == "__main__":
