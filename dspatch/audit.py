@@ -10,7 +10,8 @@ Each patch gets the verdict `dspatch check` would give with those versions insta
 affected, unsupported; "not pinned" where the pins do not name its package), decided from its declaration and from
 the source of each release that the release suite read (tests/test_releases.py). A range pin gets the verdicts of
 the releases it admits (dspatch.releases lists them). Known bugs no patch fixes (dspatch.known) are listed where
-the pins have them.
+the pins have them. The upgrade it proposes minds what each release requires of the other pinned packages
+(dspatch.requires, read from the released files).
 
 Exit status (for CI): 0 when every known bug the pins have is fixed by a dspatch patch (or none is there); 1 when one
 is there that no patch fixes (with --strict: when any known bug is there); 2 when an input cannot be read (which
@@ -25,6 +26,7 @@ import sys
 from dspatch import gating, registry
 from dspatch.known import KNOWN, in_range
 from dspatch.releases import RELEASES
+from dspatch.requires import REQUIRES
 from dspatch.versions import InvalidVersion, Specifier, SpecifierSet, Version
 
 PRESENT, NOT_PINNED = "present", "not pinned"
@@ -380,11 +382,37 @@ def audit(pins):
     return {"patches": rows, "unpatched": unpatched, "upgrade": upgrade(pins)}
 
 
+def requirements(name, version):
+    """{other package: specifier} that release of `name` requires of the packages dspatch knows (dspatch.requires,
+    read from the released files); None where dspatch has not read that release."""
+    return REQUIRES.get(name, {}).get(Version(version).base_version)
+
+
+def _conflicts(state, name, version):
+    """Why release `version` of `name` cannot sit with the other exact pins of `state`: ("requires", other, spec)
+    for each of its requirements an exact pin misses, ("required", other, spec) for each exact pin that requires of
+    `name` what `version` is not."""
+    found = []
+    for other, spec in (requirements(name, version) or {}).items():
+        pin = state.get(other)
+        if pin is not None and len(pin.releases()) == 1 and not _contains(spec, pin.releases()[0]):
+            found.append(("requires", other, spec))
+    for other, pin in state.items():
+        if other != name and len(pin.releases()) == 1:
+            spec = (requirements(other, pin.releases()[0]) or {}).get(name)
+            if spec and not _contains(spec, version):
+                found.append(("required", other, spec))
+    return found
+
+
 def upgrade(pins):
     """For every known bug the pins have (a patch's or not), the first release that fixes it upstream; and the
     smallest upgrade of the exact pins that clears all of them without dspatch: per package, the lowest release at
     or above its pin where none of the bugs of that package (or that need it) is there, with the other packages
-    as chosen, until nothing changes."""
+    as chosen, until nothing changes (a bug a move brings into another package is allowed where a release of that
+    package clears it: the next round moves it). A release whose requirements an exact pin of another package misses takes
+    that package along, to its lowest release that meets them (trl 1.16.0 needs transformers >= 4.56.2); one that
+    another pin rules out (its own requirement) is passed over."""
     items = [*registry.all_patches().values(), *KNOWN]
     exact = {name for name, pin in pins.items() if len(pin.releases()) == 1}
     ranged = sorted({canonical(i.distribution) for i in items} & (set(pins) - exact))
@@ -400,6 +428,27 @@ def upgrade(pins):
         current = Version(release(state, name)).base_version
         return [v for v in RELEASES.get(name, ()) if Version(v) >= Version(current)]
 
+    def moved(state, name, version):
+        """`state` with `name` at `version` and what its requirements take along, or None where that cannot be
+        (another pin rules it out, or no release of a package it needs meets the requirement and sits with the
+        rest); the reasons, {package taken along: why}."""
+        trial, why = {**state, name: Pin(name, versions=[version])}, {}
+        for kind, other, spec in _conflicts(trial, name, version):
+            if kind == "required":
+                return None, {}
+            fit = next((v for v in newer(trial, other) if _contains(spec, v)
+                        and not _conflicts({**trial, other: Pin(other, versions=[v])}, other, v)), None)
+            if fit is None:
+                return None, {}
+            trial[other], why[other] = Pin(other, versions=[fit]), (fit, f"{name} {version} requires {other}{spec}")
+        return trial, why
+
+    def clears(state, item):
+        """Whether a release of the item's package at or above its pin in `state` is free of it (with the rest of
+        `state`): a bug a move brings into another package, that a move of that package takes out again."""
+        name = canonical(item.distribution)
+        return any(not has_bug(item, v, {**state, name: Pin(name, versions=[v])}) for v in newer(state, name))
+
     # each bug alone: the first release of its package at or above the pin without it, or none yet
     per_bug = {}
     for item in bugs(pins):
@@ -408,8 +457,8 @@ def upgrade(pins):
                                  if not has_bug(item, v, {**pins, name: Pin(name, versions=[v])})), None)
     open_ids = {bug for bug, first in per_bug.items() if first is None}
     clearable = [i for i in items if i.id not in open_ids]
-    state = dict(pins)
-    for _ in range(4):  # a package moved may bring in, or clear, a bug of another that needs it
+    state, because = dict(pins), {}
+    for _ in range(6):  # a package moved may bring in, or clear, a bug of another that needs it
         changed = False
         for name in sorted({canonical(i.distribution) for i in bugs(state, clearable)}):
             own = [i for i in clearable if canonical(i.distribution) == name]
@@ -417,15 +466,16 @@ def upgrade(pins):
             before = {i.id for i in bugs(state, needing)}
             best = None  # the lowest release with the fewest of its own bugs (none, where one clears them all)
             for candidate in newer(state, name):
-                trial = {**state, name: Pin(name, versions=[candidate])}
-                if {i.id for i in bugs(trial, needing)} <= before:
+                trial, why = moved(state, name, candidate)
+                if trial is not None and all(i.id in before or clears(trial, i) for i in bugs(trial, needing)):
                     count = len(bugs(trial, own))
                     if best is None or count < best[0]:
-                        best = (count, candidate)
+                        best = (count, candidate, trial, why)
                     if not count:
                         break
             if best and best[1] != release(state, name):
-                state[name], changed = Pin(name, versions=[best[1]]), True
+                state, changed = best[2], True
+                because.update(best[3])
         if not changed:
             break
     moves = {name: [release(pins, name), release(state, name)] for name in exact
@@ -433,8 +483,10 @@ def upgrade(pins):
     final = {i.id for i in bugs(state, items)}
     left = sorted(final & set(per_bug) - open_ids)  # no release of their package is free of all of them at once
     introduced = sorted(final - set(per_bug))  # bugs the upgraded releases have that the pins do not
-    return {"per_bug": per_bug, "to": moves, "open": sorted(open_ids), "not_cleared": left,
-            "introduced": introduced, "ranges_not_considered": ranged}
+    # a package taken along by another's requirement, where it stays at the release that requirement took it to
+    said = {n: text for n, (fit, text) in because.items() if n in moves and moves[n][1] == fit}
+    return {"per_bug": per_bug, "to": moves, "because": said,
+            "open": sorted(open_ids), "not_cleared": left, "introduced": introduced, "ranges_not_considered": ranged}
 
 
 # ---- output -------------------------------------------------------------------------------------------------------
@@ -483,6 +535,7 @@ def _print(report, pins, sources, verbose):
         if up["to"]:
             out += ["  the smallest upgrade that clears them without dspatch: " +
                     ", ".join(f"{n} {a} -> {b}" for n, (a, b) in sorted(up["to"].items()))]
+            out += [f"    {n} moves because {why}" for n, why in sorted(up["because"].items())]
         if up["not_cleared"]:
             out += [f"  it leaves (no release of their package is free of all at once): {', '.join(up['not_cleared'])}"]
         if up["introduced"]:

@@ -17,6 +17,7 @@ import pytest
 from dspatch import audit, gating, registry
 from dspatch.known import KNOWN
 from dspatch.releases import RELEASES
+from dspatch.versions import Version
 
 from conftest import ROOT, clean_env, run_python
 
@@ -206,6 +207,38 @@ def test_where_no_release_is_free_of_every_bug_the_upgrade_leaves_the_fewest():
     # a bug the upgraded release has and the pin does not is said as brought in, not as one left
     up = audit.audit(audit.read_pins(pins_text="transformers==4.40.0"))["upgrade"]
     assert up["introduced"] == ["transformers/trainer-stale-deepspeed-engine"] and not up["not_cleared"], up
+
+
+@pytest.mark.unit_only
+def test_the_upgrade_minds_what_each_release_requires_of_the_others():
+    # accelerate 1.9.0 (free of its three bugs) requires torch >= 2.0.0: torch comes along, to the lowest that does
+    up = audit.audit(audit.read_pins(pins_text="deepspeed==0.19.8 accelerate==0.34.2 torch==1.13.1"))["upgrade"]
+    assert up["to"] == {"accelerate": ["0.34.2", "1.9.0"], "torch": ["1.13.1", "2.0.0"]}, up
+    assert up["because"] == {"torch": "accelerate 1.9.0 requires torch>=2.0.0"}
+    # no requirement of a release in the upgrade is missed by another, none rules another out (trl 0.12.2 requires
+    # transformers < 4.47.0), over the matrix's pins and a few more
+    for pins_text in [*(" ".join(pins) for pins in STACKS.values()), "trl==0.12.2 transformers==4.46.3 accelerate==0.34.2",
+                      "trl==0.9.6 transformers==4.40.0 peft==0.10.0 accelerate==0.30.0 torch==2.1.0"]:
+        pins = audit.read_pins(pins_text=pins_text)
+        to = audit.audit(pins)["upgrade"]["to"]
+        final = {**pins, **{n: audit.Pin(n, versions=[new]) for n, (_, new) in to.items()}}
+        for name, pin in final.items():
+            assert not audit._conflicts(final, name, pin.releases()[0]), (pins_text, name, to)
+
+
+@pytest.mark.unit_only
+@pytest.mark.parametrize("project, version", [("trl", "0.12.2"), ("trl", "1.16.0"), ("accelerate", "1.9.0"),
+                                              ("peft", "0.12.0"), ("deepspeed", "0.19.8")])
+def test_the_requirements_audit_minds_are_the_released_files(project, version):
+    """dspatch/requires.py, written by `python tests/upstream_releases.py --write-requires-list`: a release's
+    entry is what its released files say (the wheel's METADATA; deepspeed, sdists only: its PKG-INFO), and the list
+    has every release from the first it names to the last of dspatch/releases.py."""
+    from dspatch.requires import REQUIRES
+    from upstream_releases import REQUIRES_FROM, requires_dist
+
+    assert audit.requirements(project, version) == requires_dist(project, version)
+    listed = [v for v in RELEASES[project] if Version(v) >= Version(REQUIRES_FROM[project])]
+    assert list(REQUIRES[project]) == listed
 
 
 @pytest.mark.unit_only

@@ -137,6 +137,61 @@ def write_release_list(path):
         f.write("\n".join(lines) + "\n")
 
 
+# From these releases on (older ones were published before what dspatch patches): the packages whose requirements on
+# the others `dspatch audit` minds when it proposes an upgrade (transformers names none of them outside its extras)
+REQUIRES_FROM = {"deepspeed": "0.14.0", "accelerate": "0.20.0", "trl": "0.9.0", "peft": "0.10.0"}
+
+
+def requires_dist(project, version):
+    """{other package of dspatch.releases.RELEASES: its specifier} that release requires (Requires-Dist of its sdist's
+    PKG-INFO, or its wheel's METADATA; requirements of an extra left out; none without a specifier)."""
+    import email.parser
+    import zipfile
+
+    from packaging.requirements import Requirement
+
+    from dspatch.releases import RELEASES
+
+    wheels = [f["filename"] for f in _index(project)["files"] if f["filename"] == f"{project}-{version}-py3-none-any.whl"]
+    if wheels:  # a wheel's METADATA always lists them (the PKG-INFO of an sdist built by an older setuptools does not)
+        with zipfile.ZipFile(wheel(project, version)) as whl:
+            text = whl.read(next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    else:  # deepspeed publishes sdists only; its setup.py reads requirements/requirements.txt
+        with tarfile.open(sdist(project, version)) as tar:
+            names = {m.name.split("/", 1)[-1]: m for m in tar.getmembers()}
+            text = tar.extractfile(names["PKG-INFO"]).read().decode()
+            if "Requires-Dist:" not in text and "requirements/requirements.txt" in names:
+                listed = tar.extractfile(names["requirements/requirements.txt"]).read().decode()
+                text += "".join(f"Requires-Dist: {line.strip()}\n" for line in listed.splitlines()
+                                if line.strip() and not line.startswith("#"))
+    found = {}
+    for line in email.parser.Parser().parsestr(text).get_all("Requires-Dist") or ():
+        req = Requirement(line)
+        name = req.name.lower().replace("_", "-")
+        if name in RELEASES and name != project and str(req.specifier) and \
+                not (req.marker and "extra" in str(req.marker)):
+            found[name] = str(req.specifier & found.get(name, ""))  # a package named twice: both hold
+    return found
+
+
+def write_requires_list(path):
+    """dspatch/requires.py: what each release of REQUIRES_FROM's packages requires of the others, from the released
+    files (python tests/upstream_releases.py --write-requires-list)."""
+    lines = ['"""What each release requires of the other packages dspatch knows (Requires-Dist, extras left out), for the',
+             "upgrades `dspatch audit` proposes: {package: {release: {other: specifier}}}, releases from the first listed",
+             "on (older ones: not known). Written by `python tests/upstream_releases.py --write-requires-list` from the",
+             'released files; tests/test_audit.py checks some against them."""',
+             "REQUIRES = {"]
+    for project, low in REQUIRES_FROM.items():
+        lines.append(f"    {project!r}: {{")
+        for version in release_versions(project, low, "999"):
+            lines.append(f"        {version!r}: {requires_dist(project, version)!r},")
+        lines.append("    },")
+    lines.append("}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def sdist(project, version):
     """Path of the cached sdist, downloaded and verified on first use."""
     name = f"{project}-{version}.tar.gz"
@@ -337,13 +392,16 @@ def git_am(tree, diff, message):
 
 def main(argv):
     """`python tests/upstream_releases.py PATCH_ID LOW HIGH`: each target's fingerprints over those releases (to
-    declare them); `python tests/upstream_releases.py --write-release-list`: dspatch/releases.py from the index."""
+    declare them); `python tests/upstream_releases.py --write-release-list`: dspatch/releases.py from the index;
+    `--write-requires-list`: dspatch/requires.py from the released files."""
     import tempfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
     if argv == ["--write-release-list"]:
         return write_release_list(os.path.join(root, "dspatch", "releases.py"))
+    if argv == ["--write-requires-list"]:
+        return write_requires_list(os.path.join(root, "dspatch", "requires.py"))
     from dspatch import registry
     from dspatch import upstream
 
