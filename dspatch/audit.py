@@ -410,9 +410,9 @@ def upgrade(pins):
     smallest upgrade of the exact pins that clears all of them without dspatch: per package, the lowest release at
     or above its pin where none of the bugs of that package (or that need it) is there, with the other packages
     as chosen, until nothing changes (a bug a move brings into another package is allowed where a release of that
-    package clears it: the next round moves it). A release whose requirements an exact pin of another package misses takes
-    that package along, to its lowest release that meets them (trl 1.16.0 needs transformers >= 4.56.2); one that
-    another pin rules out (its own requirement) is passed over."""
+    package clears it: the next round moves it). A release whose requirements an exact pin of another package misses
+    takes that package along, to its lowest release that meets them (trl 1.16.0 needs transformers >= 4.56.2); one
+    that another pin rules out (its own requirement) is passed over."""
     items = [*registry.all_patches().values(), *KNOWN]
     exact = {name for name, pin in pins.items() if len(pin.releases()) == 1}
     ranged = sorted({canonical(i.distribution) for i in items} & (set(pins) - exact))

@@ -86,7 +86,8 @@ def _on(patch, releases):
     """A STOCK_FAILS_ON value in words: "deepspeed <0.18.0, transformers <4.40.0 or >=4.52.0"."""
     from dspatch.spec import stock_fails_on
 
-    return ", ".join(f"{name} {' or '.join(specs)}" for name, specs in stock_fails_on(patch.distribution, releases).items())
+    spans = stock_fails_on(patch.distribution, releases)
+    return ", ".join(f"{name} {' or '.join(specs)}" for name, specs in spans.items())
 
 
 def _proof_rows(patch, with_patch=True):

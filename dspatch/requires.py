@@ -1,7 +1,7 @@
-"""What each release requires of the other packages dspatch knows (Requires-Dist, extras left out), for the
-upgrades `dspatch audit` proposes: {package: {release: {other: specifier}}}, releases from the first listed
-on (older ones: not known). Written by `python tests/upstream_releases.py --write-requires-list` from the
-released files; tests/test_audit.py checks some against them."""
+"""What each release requires of the other packages dspatch knows (Requires-Dist, extras left out),
+for the upgrades `dspatch audit` proposes: {package: {release: {other: specifier}}}, releases from the
+first listed on (older ones: not known). Written by `python tests/upstream_releases.py
+--write-requires-list` from the released files; tests/test_audit.py checks some against them."""
 REQUIRES = {
     'deepspeed': {
         '0.14.0': {},

@@ -101,8 +101,9 @@ class Patch:
       `RELEASES_CHECKED` ((first, last) release that tests/test_releases.py checks), optionally
       `STOCK_FAILS_ON` ({scenario: PEP 440 specifier}: the releases of the distribution whose stock shows that
       failure, where stock passes the scenario on the others; or {scenario: {distribution: specifier, or a tuple
-      of specifiers of which any will do}}, where it takes other packages' releases too), `BAND_CHECK` (the cheapest reproducer, run on the
-      released source of each diff band no test stack installs; default: the first of EXPECTED_ON_STOCK),
+      of specifiers of which any will do}}, where it takes other packages' releases too), `BAND_CHECK` (the
+      cheapest reproducer, run on the released source of each diff band no test stack installs; default: the first
+      of EXPECTED_ON_STOCK),
       `OTHERS_WITH_AND_WITHOUT` (for `requires`: ({other: a version with the bug's need}, {other: one without}),
       for the release suite), `SILENT` (why `explain` cannot name a bug that writes nothing to a log; with
       `LOUD_ON`, a specifier, the releases where it writes an error instead, which `signatures` name) and

@@ -217,7 +217,8 @@ def test_the_upgrade_minds_what_each_release_requires_of_the_others():
     assert up["because"] == {"torch": "accelerate 1.9.0 requires torch>=2.0.0"}
     # no requirement of a release in the upgrade is missed by another, none rules another out (trl 0.12.2 requires
     # transformers < 4.47.0), over the matrix's pins and a few more
-    for pins_text in [*(" ".join(pins) for pins in STACKS.values()), "trl==0.12.2 transformers==4.46.3 accelerate==0.34.2",
+    for pins_text in [*(" ".join(pins) for pins in STACKS.values()),
+                      "trl==0.12.2 transformers==4.46.3 accelerate==0.34.2",
                       "trl==0.9.6 transformers==4.40.0 peft==0.10.0 accelerate==0.30.0 torch==2.1.0"]:
         pins = audit.read_pins(pins_text=pins_text)
         to = audit.audit(pins)["upgrade"]["to"]

@@ -152,8 +152,8 @@ def requires_dist(project, version):
 
     from dspatch.releases import RELEASES
 
-    wheels = [f["filename"] for f in _index(project)["files"] if f["filename"] == f"{project}-{version}-py3-none-any.whl"]
-    if wheels:  # a wheel's METADATA always lists them (the PKG-INFO of an sdist built by an older setuptools does not)
+    name = f"{project}-{version}-py3-none-any.whl"
+    if any(f["filename"] == name for f in _index(project)["files"]):  # a wheel's METADATA always lists them (the PKG-INFO of an sdist built by an older setuptools does not)
         with zipfile.ZipFile(wheel(project, version)) as whl:
             text = whl.read(next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     else:  # deepspeed publishes sdists only; its setup.py reads requirements/requirements.txt
@@ -177,10 +177,10 @@ def requires_dist(project, version):
 def write_requires_list(path):
     """dspatch/requires.py: what each release of REQUIRES_FROM's packages requires of the others, from the released
     files (python tests/upstream_releases.py --write-requires-list)."""
-    lines = ['"""What each release requires of the other packages dspatch knows (Requires-Dist, extras left out), for the',
-             "upgrades `dspatch audit` proposes: {package: {release: {other: specifier}}}, releases from the first listed",
-             "on (older ones: not known). Written by `python tests/upstream_releases.py --write-requires-list` from the",
-             'released files; tests/test_audit.py checks some against them."""',
+    lines = ['"""What each release requires of the other packages dspatch knows (Requires-Dist, extras left out),',
+             "for the upgrades `dspatch audit` proposes: {package: {release: {other: specifier}}}, releases from the",
+             "first listed on (older ones: not known). Written by `python tests/upstream_releases.py",
+             '--write-requires-list` from the released files; tests/test_audit.py checks some against them."""',
              "REQUIRES = {"]
     for project, low in REQUIRES_FROM.items():
         lines.append(f"    {project!r}: {{")

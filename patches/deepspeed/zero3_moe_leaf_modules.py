@@ -59,13 +59,14 @@ SPARSE_MOE_BLOCKS = {
     "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe": {"Ernie4_5_MoeSparseMoeBlock": (">=4.54.0",)},
     "transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe": {"HunYuanMoEV1Moe": (">=4.56.0",)},
     "transformers.models.qwen3_next.modeling_qwen3_next": {"Qwen3NextSparseMoeBlock": (">=4.57.0",)},
-    "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe": {"Qwen3OmniMoeThinkerTextSparseMoeBlock": (">=4.57.0",),
-                                                                   "Qwen3OmniMoeTalkerTextSparseMoeBlock": (">=4.57.0",)},
+    "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe": {
+        "Qwen3OmniMoeThinkerTextSparseMoeBlock": (">=4.57.0",), "Qwen3OmniMoeTalkerTextSparseMoeBlock": (">=4.57.0",)},
 }
 
 
 # a frame of a sparse-MoE model's forward, and of ZeRO-3's fetch, in the log (a hang or gloo's abort shows both)
-SPARSE_MOE_FRAME = r"modeling_(mixtral|jamba|phimoe|qwen2_moe|qwen3_moe|minimax|ernie4_5_moe|hunyuan_v1_moe|qwen3_next|qwen3_omni_moe)\.py"
+SPARSE_MOE_FRAME = (r"modeling_(mixtral|jamba|phimoe|qwen2_moe|qwen3_moe|minimax|ernie4_5_moe|hunyuan_v1_moe|qwen3_next"
+                    r"|qwen3_omni_moe)\.py")
 COORDINATOR_FRAME = r"partitioned_param_coordinator\.py"
 
 

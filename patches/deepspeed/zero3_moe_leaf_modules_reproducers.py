@@ -1,7 +1,7 @@
 """Reproducers: a 2-rank job of this module (gloo, CPU): a tiny Mixtral, Jamba (attention and experts only) or Ernie
-4.5 MoE (1 layer, 4 experts, one expert per token) built from a config, ZeRO-3 with every parameter partitioned, SGD, two steps of `engine.backward(loss);
-engine.step()`, each rank on its own tokens, which its router sends to other experts than the other rank's (the job
-checks that it is so, from the router's own choice).
+4.5 MoE (1 layer, 4 experts, one expert per token) built from a config, ZeRO-3 with every parameter partitioned, SGD,
+two steps of `engine.backward(loss); engine.step()`, each rank on its own tokens, which its router sends to other
+experts than the other rank's (the job checks that it is so, from the router's own choice).
 
 Stock's ranks enter different collectives at the first forward: gloo aborts on the size mismatch (NCCL would wait for
 ever; every launch here is bounded by a deadline, and a rank that passes it counts as the bug too). The reference is
