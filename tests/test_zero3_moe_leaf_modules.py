@@ -2,7 +2,9 @@
 transformers 4.57.6) with Ernie 4.5 MoE, a class DeepSpeed does not mark: the user's choice wins. Leaves the user
 set by hand stay theirs (with every patch active the job is stock's to the bit), DSPATCH_DISABLE leaves the patch
 out (the ranks diverge again, as on stock), and a config that sets `zero_optimization.leaf_module` itself, to no
-class, is obeyed."""
+class, is obeyed. On old and bridge (transformers 4.40-4.51), Mixtral's block, which runs every expert there, is left
+as it is while Jamba's becomes a leaf; in the unit session, the classes it marks are those the released sources of
+transformers run apart."""
 import pytest
 
 from conftest import clean_env, last_json, run_python
@@ -35,6 +37,8 @@ def applies_here(request):
         return
     if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
         pytest.skip(f"{PID} does not apply to this stack")
+    if request.node.get_closest_marker("any_deepspeed"):
+        return
     if Version(upstream.installed_version("deepspeed")) < Version("0.18.0"):  # CI time: the shared proofs run here
         pytest.skip("the user's choices are tested on deepspeed >= 0.18.0 (ds0183), where the config's leaf_module "
                     "exists too")
@@ -57,6 +61,36 @@ def test_a_config_that_sets_leaf_module_itself_is_obeyed():
     obeyed = _run("config_none", "ernie", DSPATCH="1")
     assert PID in obeyed["applied"]
     assert isinstance(obeyed["ranks"], str) and _how_it_failed(obeyed["ranks"]), obeyed  # no leaf: they diverge
+
+
+LEAVES = r'''
+import json
+import deepspeed.runtime.zero.parameter_offload  # the patches DSPATCH selects apply here
+from dspatch import _runtime
+from dspatch.patches.deepspeed.zero3_moe_leaf_modules_reproducers import _model
+from dspatch.scenario import init_deepspeed, zero3_config
+
+deepspeed = init_deepspeed()
+marked = {}
+for kind in ("mixtral", "jamba"):
+    model, block = _model(kind)
+    deepspeed.initialize(model=model, config=zero3_config(), model_parameters=model.parameters())
+    marked[kind] = [getattr(m, "_z3_leaf", False) for m in model.modules() if isinstance(m, block)]
+print(json.dumps({"applied": _runtime.applied_ids(), "marked": marked}))
+'''
+
+
+@pytest.mark.any_deepspeed
+def test_where_mixtral_runs_every_expert_its_block_is_left_as_it_is():
+    """transformers 4.40-4.51 (old, bridge): Mixtral's block runs every expert, so the patch leaves it as it is
+    (DeepSpeed < 0.18 marks nothing); Jamba's, which skips experts without tokens, becomes a leaf."""
+    from dspatch import upstream
+    from dspatch.versions import Version
+
+    if not Version("4.40.0") <= Version(upstream.installed_version("transformers")) < Version("4.52.0"):
+        pytest.skip("proven where transformers is 4.40-4.51 (the old and bridge stacks)")
+    found = last_json(run_python(["-c", LEAVES], env=clean_env(DSPATCH="1"), warm="stack"))
+    assert PID in found["applied"] and found["marked"] == {"mixtral": [False], "jamba": [True]}, found
 
 
 def _blocks_that_skip_experts(version):

@@ -27,7 +27,7 @@ DBRX and gpt-oss skip experts too, but keep every expert in one module's tensors
 It changes behaviour, not code: when a ZeRO-3 engine sets up its parameter hooks (`DeepSpeedZeRoOffload.__init__`)
 on a model where no module is a leaf yet, the instances of those classes in the model become leaves, as
 `set_z3_leaf_modules` would make them, where the installed transformers runs that class's experts apart (Mixtral on
-4.40-4.51 is left as it is); on 0.18.0 and later DeepSpeed has marked its three first, and then the patch adds
+4.40-4.51 is left as it is: its own test, on old and bridge); on 0.18.0 and later DeepSpeed has marked its three first, and then the patch adds
 nothing for them. The user's choice wins: a model with any leaf already set (by the user, or by DeepSpeed's config)
 is left as it is, and so is one whose config sets `zero_optimization.leaf_module` itself (even to nothing);
 `DSPATCH_DISABLE=deepspeed/zero3-moe-leaf-modules` leaves it out. A leaf gathers all its experts at once: more memory
