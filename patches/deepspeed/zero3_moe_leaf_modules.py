@@ -135,9 +135,11 @@ PATCH = Patch(
     signatures=(
         Signature(r"Received data size doesn't match expected size\. Is there a distributed collective mismatch",
                   context=(SPARSE_MOE_FRAME, COORDINATOR_FRAME)),
+        # a timeout says only that a collective was not reached: offered as likely, beside any other hang
         Signature(r"Watchdog caught collective operation timeout", context=(SPARSE_MOE_FRAME, COORDINATOR_FRAME),
-                  tell="a hang whose log shows a sparse mixture-of-experts block under ZeRO-3's parameter fetch is "
-                       "likely this one, not certainly: ranks whose tokens reach different experts"),
+                  tell="no module is a ZeRO-3 leaf and the ranks' tokens reach different experts of a sparse MoE "
+                       "block (it hangs at the first forward; `set_z3_leaf_modules` by hand makes it train)",
+                  also="a hang of another cause: any collective one rank never reaches times out with these words"),
     ),
     diffs={">=0.14.0,<=0.16.5": "deepspeed/0023-zero3-moe-leaf-modules-0.14.0-0.16.5.patch",
            ">=0.16.6,<=0.19.0": "deepspeed/0023-zero3-moe-leaf-modules-0.16.6-0.19.0.patch",
