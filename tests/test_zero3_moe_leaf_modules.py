@@ -3,7 +3,7 @@ transformers 4.57.6) with Ernie 4.5 MoE, a class DeepSpeed does not mark: the us
 set by hand stay theirs (with every patch active the job is stock's to the bit), DSPATCH_DISABLE leaves the patch
 out (the ranks diverge again, as on stock), and a config that sets `zero_optimization.leaf_module` itself, to no
 class, is obeyed. On old and bridge (transformers 4.40-4.51), Mixtral's block, which runs every expert there, is left
-as it is while Jamba's becomes a leaf; in the unit session, the classes it marks are those the released sources of
+as it is while Jamba's becomes a leaf, and on bridge PhiMoE's ranks routed apart train as with its leaves set by hand; in the unit session, the classes it marks are those the released sources of
 transformers run apart."""
 import pytest
 
@@ -91,6 +91,22 @@ def test_where_mixtral_runs_every_expert_its_block_is_left_as_it_is():
         pytest.skip("proven where transformers is 4.40-4.51 (the old and bridge stacks)")
     found = last_json(run_python(["-c", LEAVES], env=clean_env(DSPATCH="1"), warm="stack"))
     assert PID in found["applied"] and found["marked"] == {"mixtral": [False], "jamba": [True]}, found
+
+
+@pytest.mark.any_deepspeed
+def test_phimoe_routed_apart_trains_as_with_its_blocks_set_by_hand():
+    """PhiMoE (its block skips experts without tokens from transformers 4.46, read from the sources; no DeepSpeed
+    release marks it), on bridge (transformers 4.46.3): stock's ranks diverge at the first forward, DSPATCH=1 trains
+    with the losses of the leaves set by hand, to the bit."""
+    from dspatch import upstream
+    from dspatch.versions import Version
+
+    if not Version("4.46.0") <= Version(upstream.installed_version("transformers")) < Version("4.52.0"):
+        pytest.skip("proven where transformers is 4.46-4.51 (the bridge stack)")
+    want, stock, patched = _run("by_hand", "phimoe"), _run("", "phimoe"), _run("", "phimoe", DSPATCH="1")
+    assert isinstance(want["ranks"], list) and want["ranks"][0]["hit"] != want["ranks"][1]["hit"], want
+    assert isinstance(stock["ranks"], str) and _how_it_failed(stock["ranks"]), stock
+    assert PID in patched["applied"] and patched["ranks"] == want["ranks"], (patched, want)
 
 
 def _blocks_that_skip_experts(version):

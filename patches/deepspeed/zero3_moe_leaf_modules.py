@@ -37,7 +37,8 @@ Proven with 2 ranks (gloo) on the old, bridge and mid stacks (transformers 4.44.
 class no DeepSpeed release marks) and a tiny Mixtral, ZeRO-3, each rank's tokens reaching other experts, two SGD
 steps: stock aborts at the first forward with gloo's size mismatch (each run is bounded by a deadline, for NCCL's
 hang; Mixtral only where its block skips experts, on deepspeed < 0.18.0); patched trains, with losses equal, to the
-bit, to the same job with the block set as a leaf by hand.
+bit, to the same job with the block set as a leaf by hand. Its own tests run PhiMoE the same way on bridge, and Ernie
+4.5 MoE on ds0183 (the user's choices).
 """
 from dspatch.spec import Patch, Signature, Target
 

@@ -16,8 +16,9 @@ STEPS, LR, DEADLINE = 2, 0.1, 120
 
 
 def _model(kind):
-    """(a tiny sparse-MoE model, its block class): Mixtral (which DeepSpeed >= 0.18.0 marks itself), Jamba (4.40+) or
-    Ernie 4.5 MoE (4.54+; neither is marked by any DeepSpeed release); one layer, 4 experts, one expert per token."""
+    """(a tiny sparse-MoE model, its block class): Mixtral (which DeepSpeed >= 0.18.0 marks itself), Jamba (4.40+),
+    PhiMoE (4.46+) or Ernie 4.5 MoE (4.54+; no DeepSpeed release marks those three); one layer, 4 experts, one expert
+    per token (PhiMoE: 8 experts, two per token)."""
     import torch
     import transformers
 
@@ -30,6 +31,11 @@ def _model(kind):
         config = transformers.Ernie4_5_MoeConfig(**shape, moe_num_experts=4, moe_k=1, moe_intermediate_size=32,
                                                  moe_num_shared_experts=0, moe_layer_start_index=0)
         return transformers.Ernie4_5_MoeForCausalLM(config), ernie.Ernie4_5_MoeSparseMoeBlock
+    if kind == "phimoe":  # its router picks two experts of eight per token
+        from transformers.models.phimoe import modeling_phimoe as phimoe
+
+        config = transformers.PhimoeConfig(**shape, num_local_experts=8, num_experts_per_tok=2)
+        return transformers.PhimoeForCausalLM(config), phimoe.PhimoeSparseMoeBlock
     if kind == "jamba":  # one attention layer with experts: no Mamba layer, so no Mamba kernels either
         from transformers.models.jamba import modeling_jamba as jamba
 
