@@ -384,8 +384,8 @@ def audit(pins):
 
 def requirements(name, version):
     """{other package: specifier} that release of `name` requires of the packages dspatch knows (dspatch.requires,
-    read from the released files); None where dspatch has not read that release."""
-    return REQUIRES.get(name, {}).get(Version(version).base_version)
+    read from the released files); nothing where dspatch has not read that release."""
+    return REQUIRES.get(name, {}).get(Version(version).base_version, {})
 
 
 def _conflicts(state, name, version):
@@ -393,13 +393,13 @@ def _conflicts(state, name, version):
     for each of its requirements an exact pin misses, ("required", other, spec) for each exact pin that requires of
     `name` what `version` is not."""
     found = []
-    for other, spec in (requirements(name, version) or {}).items():
+    for other, spec in requirements(name, version).items():
         pin = state.get(other)
         if pin is not None and len(pin.releases()) == 1 and not _contains(spec, pin.releases()[0]):
             found.append(("requires", other, spec))
     for other, pin in state.items():
         if other != name and len(pin.releases()) == 1:
-            spec = (requirements(other, pin.releases()[0]) or {}).get(name)
+            spec = requirements(other, pin.releases()[0]).get(name)
             if spec and not _contains(spec, version):
                 found.append(("required", other, spec))
     return found

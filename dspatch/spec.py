@@ -72,12 +72,12 @@ def _installed_within(releases):
     """Whether every distribution of `releases` ({distribution: (specifier, ...)}) is installed within one of its
     specifiers."""
     from dspatch.gating import installed_version
-    from dspatch.versions import InvalidVersion, SpecifierSet
+    from dspatch.versions import InvalidVersion, within_any
 
     for distribution, specs in releases.items():
         version = installed_version(distribution)
         try:
-            if version is None or not any(SpecifierSet(s).contains(version, prereleases=True) for s in specs):
+            if version is None or not within_any(version, specs):
                 return False
         except InvalidVersion:
             return False

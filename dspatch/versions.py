@@ -198,6 +198,12 @@ class Specifier:
         return not (version.local and public._key[:2] == target._key[:2])
 
 
+def within_any(version, specifiers):
+    """Whether `version` (pre-releases and dev builds included) is within one of `specifiers` (PEP 440 texts): spans a
+    single specifier cannot name ("<4.40.0" or ">=4.52.0")."""
+    return any(SpecifierSet(spec).contains(version, prereleases=True) for spec in specifiers)
+
+
 class SpecifierSet:
     """Comma-separated specifiers, all of which must hold ("" holds every version)."""
 

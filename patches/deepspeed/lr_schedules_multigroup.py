@@ -20,8 +20,9 @@ per group (0.19.0). A single group, a set `warmup_max_lr` and every other schedu
 Proven by numbers on the old, bridge and mid stacks and ds0183 (0.14.4, 0.16.9, 0.16.3, 0.18.3) and on the released
 sources of 0.18.9 and 0.19.3: a real engine with two param groups (rates 0.1 and 0.02) and the scheduler from its
 config, five SGD steps: each group's rate at each step, and the weights, equal plain torch's SGD run at the rates the
-schedule's definition gives each group (computed in the reproducer, without DeepSpeed), to the bit. Stock gives group 1 group 0's peak
-(0.17.2-0.19.3) or 0.001 for both (earlier), and WarmupCosineLR's group 1 its full rate at the first step.
+schedule's definition gives each group (computed in the reproducer, without DeepSpeed), to the bit. Stock gives
+group 1 group 0's peak (0.17.2-0.19.3) or 0.001 for both (earlier), and WarmupCosineLR's group 1 its full rate at the
+first step.
 """
 from dspatch.spec import Patch, Target
 

@@ -65,18 +65,17 @@ SPARSE_MOE_BLOCKS = {
 }
 
 
-# a frame of a sparse-MoE model's forward, and of ZeRO-3's fetch, in the log (a hang or gloo's abort shows both)
-SPARSE_MOE_FRAME = (r"modeling_(mixtral|jamba|phimoe|qwen2_moe|qwen3_moe|minimax|ernie4_5_moe|hunyuan_v1_moe|qwen3_next"
-                    r"|qwen3_omni_moe)\.py")
+# a frame of a sparse-MoE model's forward (a file of SPARSE_MOE_BLOCKS), and of ZeRO-3's fetch, in the log (a hang or
+# gloo's abort shows both)
+SPARSE_MOE_FRAME = r"modeling_(%s)\.py" % "|".join(module.rpartition(".modeling_")[2] for module in SPARSE_MOE_BLOCKS)
 COORDINATOR_FRAME = r"partitioned_param_coordinator\.py"
 
 
 def skips_experts(module_name, class_name, transformers_version):
     """Whether that class of that transformers release runs only the experts its tokens reached (SPARSE_MOE_BLOCKS)."""
-    from dspatch.versions import SpecifierSet
+    from dspatch.versions import within_any
 
-    spans = SPARSE_MOE_BLOCKS.get(module_name, {}).get(class_name, ())
-    return any(SpecifierSet(span).contains(transformers_version, prereleases=True) for span in spans)
+    return within_any(transformers_version, SPARSE_MOE_BLOCKS.get(module_name, {}).get(class_name, ()))
 
 
 def sparse_moe_blocks(module):
