@@ -1,7 +1,7 @@
 """Test matrix over real upstream stacks (deepspeed + transformers + accelerate + trl, torch 2.13 CPU), plus a torch-free unit session.
 
     nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 + ds0183 + ds0182 (what CI runs)
-    nox -s demo         build the old stack, --check, and a tiny ZeRO-3 job stock vs DSPATCH=1
+    nox -s demo         build the old stack, a tiny ZeRO-3 job stock vs DSPATCH=1, and `dspatch check`
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
 import hashlib
@@ -13,7 +13,7 @@ import time
 import nox
 
 nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16", "ds0183", "ds0182",
-                        "ds0192"]
+                        "ds0192", "ds0198"]
 nox.options.error_on_missing_interpreters = True
 
 # torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
@@ -28,7 +28,7 @@ STACKS = {
     "bridge": ["deepspeed==0.16.9", "transformers==4.46.3", "accelerate==1.8.1", "trl==0.15.2", "peft==0.14.0",
                "datasets==3.2.0"],
     "mid": ["deepspeed==0.16.3", "transformers==4.57.6", "accelerate==1.10.1", "trl==1.12.0", "peft==0.17.1"],
-    "latest": ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0", "trl==1.16.0", "peft==0.21.2"],
+    "latest": ["deepspeed==0.19.8", "transformers==5.24.0", "accelerate==1.15.0", "trl==1.16.0", "peft==0.21.2"],
 }
 TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
 # trl's last PPO trainer (1.12.0) on transformers 5.x, where its save under DeepSpeed fails at every ZeRO stage
@@ -47,7 +47,9 @@ SMALL = {"ds0183": ["deepspeed==0.18.3", "transformers==4.57.6", "accelerate==1.
          "ds0182": ["deepspeed==0.18.2", "transformers==4.57.6", "accelerate==1.10.1"],
          # ds0192: the one release where LoRA's fp32 adapters on a bf16 base fail ZeRO-3's coalesced all-gather, on
          # the latest stack's other pins
-         "ds0192": ["deepspeed==0.19.2", "transformers==5.23.0", "accelerate==1.15.0", "peft==0.21.2"]}
+         "ds0192": ["deepspeed==0.19.2", "transformers==5.23.0", "accelerate==1.15.0", "peft==0.21.2"],
+         # ds0198: the newest deepspeed on the mid stack's other pins, as a user who upgrades DeepSpeed alone has it
+         "ds0198": ["deepspeed==0.19.8", "transformers==4.57.6", "accelerate==1.10.1"]}
 
 # The stacks' environments live outside the clone (a clean clone, as CI makes, would otherwise rebuild six of them
 # every run), in a folder named by a hash of everything installed into them: a changed pin is a new folder, never
@@ -126,7 +128,8 @@ def lint(session):
 
 @nox.session(python="3.11")
 def unit(session):
-    """Registry, selection, --check without any target, activation cost, packaging, every release's verdict."""
+    """Registry, selection, `dspatch check` without any target, the command line, activation cost, packaging, every
+    release's verdict."""
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
     # released sdists are cached outside the clone (~/.cache/dspatch/releases unless DSPATCH_RELEASE_CACHE says
     # otherwise), so a fresh clone, as CI makes, does not download them again
@@ -197,28 +200,40 @@ def small_session(name, keywords, own_tests, doc):
 
 ds0183 = small_session("ds0183",
                        "scale-wrt-gas or gas-per-tensor or output_hooks_gas or bf16 or pipe-grad or pipe_grad or "
-                       "lr-schedules or allreduce-fetch or moe_leaf",
+                       "lr-schedules or allreduce-fetch or moe_leaf or backward-twice",
                        ["tests/test_output_hooks_gas.py", "tests/test_zero0_bf16_grads.py",
                         "tests/test_pipe_grad_accum_scale.py", "tests/test_lr_schedules_multigroup.py",
-                        "tests/test_zero3_moe_leaf_modules.py"],
+                        "tests/test_zero3_moe_leaf_modules.py", "tests/test_canary.py"],
                        "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
                        "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
-                       "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of zero3-allreduce-fetch-padding")
-ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduce or bf16",
-                       ["tests/test_grad_accum_scale_no_allreduce.py", "tests/test_zero0_bf16_grads.py"],
+                       "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of "
+                       "zero3-allreduce-fetch-padding, 0.18.3-0.18.4 of zero12-backward-twice")
+ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduce or bf16 or backward-twice",
+                       ["tests/test_grad_accum_scale_no_allreduce.py", "tests/test_zero0_bf16_grads.py",
+                        "tests/test_canary.py"],
                        "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "
                        "grad-accum-scale-no-allreduce, its other bands' newest releases; bf16 at stage 0 "
-                       "(zero0-bf16-grads)")
+                       "(zero0-bf16-grads); the TypeError band of zero12-backward-twice")
 
-ds0192 = small_session("ds0192", "lora-mixed-dtype or lora_mixed_dtype", ["tests/test_zero3_lora_mixed_dtype_allgather.py"],
-                       "ZeRO-3 + LoRA's fp32 adapters on a bf16 base (zero3-lora-mixed-dtype-allgather)")
+ds0192 = small_session("ds0192", "lora-mixed-dtype or lora_mixed_dtype or gather-handle or gather_handle or "
+                       "backward-twice",
+                       ["tests/test_zero3_lora_mixed_dtype_allgather.py"],
+                       "ZeRO-3 + LoRA's fp32 adapters on a bf16 base (zero3-lora-mixed-dtype-allgather); a gather "
+                       "handle waited twice (zero3-gather-handle-waited-once); the 0.18.5-0.19.7 bands of "
+                       "zero12-backward-twice")
+ds0198 = small_session("ds0198", "warmup-zero or warmup_zero", [],
+                       "deepspeed >= 0.19.3 refusing the warmup of 0 that transformers < 5.18 and accelerate < 1.15 fill "
+                       "(transformers/deepspeed-warmup-zero, accelerate/deepspeed-warmup-zero)")
 
 
 @nox.session(python="3.11")
 def demo(session):
     """The main job: on the old stack, a tiny 2-rank ZeRO-3 mixture-of-experts job, stock then with DSPATCH=1; then
-    what `dspatch check` says applies here, and why the job applied fewer."""
-    install_stack(session, "old")
+    what `dspatch check` says applies here, and why the job applied fewer. Installs what a user has: the stack and
+    dspatch, no test tools."""
+    install_once(session, TORCH)
+    install_once(session, *STACKS["old"])
+    install_dspatch(session, "wrapt>=2.5")
     env = {"DS_ACCELERATOR": "cpu"}
     job = ["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
            "examples/zero3_expert_ids.py"]
@@ -239,13 +254,22 @@ def demo(session):
                                       all("BUG" in x for x in stock) else f"{stock}"))
     session.log("         DSPATCH=1: " + ("ids kept on both ranks" if len(patched) == 2 and
                                           all("kept" in x for x in patched) else f"{patched}"))
-    report = json.loads(session.run("python", "-m", "dspatch.apply", "--check", "--json", env=env, silent=True))
+    report = json.loads(session.run("dspatch", "check", "--json", env=env, silent=True))
     applies = [row for row in report["patches"] if row["verdict"] == "applies"]
     session.log(f"`dspatch check` here: {len(applies)} of {len(report['patches'])} patches apply to this stack:")
     for row in applies:
         session.log(f"  {row['id']} ({row['distribution']}=={row['version']})")
     session.log("The job applied only those of the packages it imports (deepspeed, accelerate): a patch is applied "
                 "when its package is imported, so transformers' and trl's wait for a job that imports them.")
+    bin_dir = os.path.join(session.virtualenv.location, "bin")
+    session.log(f"This environment is {session.virtualenv.location}. Next, try there:")
+    for command, what in (("dspatch check", "every patch's verdict here, and why"),
+                          ("dspatch verify deepspeed/zero3-module-id", "its reproducers: the bug on stock, then fixed"),
+                          ("dspatch explain job.log", "which known bug a failed job's log shows, and what to do"),
+                          ("DSPATCH=1 python train.py", "your own job, patched (or: dspatch run train.py)")):
+        session.log(f"  {what}:")
+        session.log(f"    {bin_dir}/{command}" if command.startswith("dspatch") else
+                    f"    {command.replace('python', bin_dir + '/python')}")
 
 
 @nox.session(python="3.11")

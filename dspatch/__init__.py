@@ -49,7 +49,11 @@ def revert(ids=None, force=False):
 
 
 def check(ids=None):
-    """Verdict rows for every patch, as `python -m dspatch.apply --check --json` prints them."""
-    from dspatch import status
+    """Verdict rows for every patch, as `dspatch check --json` prints them. A malformed DSPATCH or DSPATCH_DISABLE
+    does not raise: every row says it is left out, and why (the runtime applies nothing while the value stands).
+    Unknown `ids` given here raise dspatch.registry.SelectionError."""
+    from dspatch import registry, status
 
-    return [row.as_dict() for row in status.check_all(ids)]
+    if ids is not None:
+        registry.selection(ids, source="dspatch.check()")
+    return [row.as_dict() for row in status.check_all(ids, source="dspatch.check()", refused=True)]

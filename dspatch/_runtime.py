@@ -33,6 +33,25 @@ class PatchError(RuntimeError):
     """A patch could not apply and DSPATCH_STRICT=1 asked for that to be an error."""
 
 
+def _strict_error(message, cause=None):
+    """The PatchError strict mode raises. Uncaught (the job's end), it prints as its one line of text, not as a
+    traceback through the import machinery and dspatch's frames: the user's job is what failed, for this reason."""
+    previous = sys.excepthook
+    if not getattr(previous, "dspatch_quiet", False):
+        def excepthook(kind, value, tb):
+            if isinstance(value, PatchError):
+                print(str(value), file=sys.stderr, flush=True)
+            else:
+                previous(kind, value, tb)
+
+        excepthook.dspatch_quiet = True
+        sys.excepthook = excepthook
+    error = PatchError(message)
+    error.__cause__ = cause
+    error.__suppress_context__ = True
+    return error
+
+
 def _say(message):
     # Quiet by default: local rank 0 only (one line per node), every rank with DSPATCH_VERBOSE=1.
     if os.environ.get("LOCAL_RANK", "0") in ("", "0") or _hook.flag("DSPATCH_VERBOSE"):
@@ -109,7 +128,7 @@ def module_loaded(name):
             top = name.partition(".")[0]
             for key, message in state.strict_failures.items():  # every later import of that package fails too
                 if key == SELECTION or registry.all_patches()[key].modules[0].partition(".")[0] == top:
-                    raise PatchError(message)
+                    raise _strict_error(message)
 
 
 SELECTION = "selection"  # key of a bad DSPATCH/DSPATCH_DISABLE in state.strict_failures: every import fails
@@ -155,12 +174,14 @@ def activate(ids, strict, just_loaded=None):
         try:  # a bad selection leaves the state as it was (a typo in code does not switch DSPATCH=1 off)
             chosen, _ = registry.selection(ids)
         except registry.SelectionError as e:
-            _report(("selection", str(e)), f"{e}. Nothing applied.")
             if state.strict:  # and so fails every later import of a watched package, not only the first
-                state.strict_failures[SELECTION] = f"dspatch: {e}. Nothing applied (DSPATCH_STRICT=1)."
-                raise PatchError(state.strict_failures[SELECTION]) from None
+                state.strict_failures[SELECTION] = f"dspatch: {e}. Nothing applied; strict mode (DSPATCH_STRICT=1) stops the job."
+                raise _strict_error(state.strict_failures[SELECTION])
+            _report(("selection", str(e)), f"{e}. Nothing applied.")
             return {}
         state.strict_failures.pop(SELECTION, None)
+        if ids is None:
+            _say_what_does_not_apply(registry.named())
         state.active = True
         _hook.install(notify)
         patches = registry.all_patches()
@@ -174,6 +195,16 @@ def activate(ids, strict, just_loaded=None):
             forward_to_nodes()
         return {pid: state.outcome.get(pid, ("pending", f"waiting for {', '.join(patches[pid].modules)}"))
                 for pid in chosen}
+
+
+def _say_what_does_not_apply(pids):
+    """One line for each patch DSPATCH names by its id that does not apply here (its verdict and why)."""
+    patches = registry.all_patches()
+    for pid in pids:
+        found = gating.evaluate(patches[pid])
+        if found.verdict not in (gating.APPLIES, gating.DRIFTED):  # drift is said when the patch is tried
+            _report(("named", pid), f"DSPATCH names {pid}, which does not apply here: {found.verdict} "
+                                    f"({found.reason})")
 
 
 def _requeue_if_reloaded(name):
@@ -202,10 +233,10 @@ def _apply_ready(trigger, late=False, just_loaded=None):
 
 def _fail(patch, verdict, reason, message, cause=None):
     state.outcome[patch.id] = (verdict, reason)
-    _report(patch.id, message)
     if state.strict:
-        state.strict_failures[patch.id] = f"dspatch: {patch.id}: {reason} (DSPATCH_STRICT=1)"
-        raise PatchError(state.strict_failures[patch.id]) from cause
+        state.strict_failures[patch.id] = f"dspatch: {patch.id}: {reason}; strict mode (DSPATCH_STRICT=1) stops the job."
+        raise _strict_error(state.strict_failures[patch.id], cause)
+    _report(patch.id, message)
 
 
 def _apply_one(patch, late=False):

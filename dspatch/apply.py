@@ -1,5 +1,5 @@
 """`python -m dspatch.apply --check` and `python -m dspatch.apply script.py`: the first releases' command line, kept
-working (the `dspatch` command is dspatch.cli). Its flags: `--check [--json] [-v] [--strict] [--verify]`,
+working (dspatch.legacy; the `dspatch` command is dspatch.cli). Its flags: `--check [--json] [-v] [--strict] [--verify]`,
 `[--only IDS] script.py [args...]`.
 
 Imported rather than run, this module would take the place of the function `dspatch.apply` on the package (Python
@@ -17,8 +17,8 @@ class _CallsTheFunction(types.ModuleType):
 
 
 if __name__ == "__main__":
-    from dspatch.cli import run_legacy
+    from dspatch import legacy, term
 
-    run_legacy()
+    term.exit_with(legacy.main)
 else:
     sys.modules[__name__].__class__ = _CallsTheFunction

@@ -497,7 +497,7 @@ def exit_status(report, strict=False):
     return 1 if unfixed or (strict and fixed_by_patch) else 0
 
 
-def _print(report, pins, sources, verbose):
+def _lines(report, pins, sources, verbose):
     out = [f"dspatch audit: {', '.join(sources)}: {len(pins)} packages pinned"]
     for name in ("deepspeed", "transformers", "accelerate", "trl", "peft", "torch"):
         if name in pins:
@@ -546,39 +546,60 @@ def _print(report, pins, sources, verbose):
         out += ["  none needed: the exact pins have no known bug"]
     if up["ranges_not_considered"]:
         out += [f"  (range pins not upgraded: {', '.join(up['ranges_not_considered'])}; pin exact versions to get one)"]
-    print("\n".join(out))
+    return out
 
 
-def main(argv=None, prog="python -m dspatch.audit"):
-    parser = argparse.ArgumentParser(prog=prog, description="the known bugs a lock or requirements file's pins have, "
-                                     "which dspatch fixes, and the smallest upgrade that clears them")
-    parser.add_argument("files", nargs="*", help="requirements/constraints files, `pip freeze` output, uv.lock, "
-                        "poetry.lock, pylock.toml (- for standard input)")
+DESCRIPTION = ("The known bugs a lock or requirements file's pins have (before installing), which dspatch fixes, and "
+               "the smallest upgrade that clears them.")
+EPILOG = ("Exit 0 when the pins have no known bug dspatch cannot fix (1 with --strict when they have any), 1 when they "
+          "have one it cannot, 2 for a file it cannot read. docs/audit.md has the formats.")
+
+
+def arguments(parser):
+    parser.add_argument("files", nargs="*", metavar="FILE", help="requirements/constraints files, `pip freeze` "
+                        "output, uv.lock, poetry.lock, pylock.toml (- for standard input)")
+    parser.add_argument("-r", "--requirement", dest="more", action="append", default=[], metavar="FILE",
+                        help="a requirements file, as pip takes it (the same as FILE)")
+    parser.add_argument("-c", "--constraint", dest="more", action="append", metavar="FILE",
+                        help="a constraints file, as pip takes it: its pins count as pins")
     parser.add_argument("--pins", default="", help='pins given inline: "deepspeed==0.16.9 torch==2.6.0"')
     parser.add_argument("--json", action="store_true", help="one JSON object (docs/audit.md)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any known bug is there, patched or not")
     parser.add_argument("-v", "--verbose", action="store_true", help="every patch's verdict and reason")
-    args = parser.parse_args(argv)
-    if not args.files and not args.pins:
-        parser.print_usage(sys.stderr)
-        print(f"{prog}: error: give a file or --pins", file=sys.stderr)
+    return parser
+
+
+def command(args, prog="dspatch audit"):
+    files = [*args.files, *args.more]
+    if not files and not args.pins:
+        print(f"usage: {prog} FILE... [-c FILE] [--pins PINS] [--json] [--strict] [-v]\n{prog}: give a file or "
+              f"--pins", file=sys.stderr)
         return 2
     try:
-        pins = read_pins(args.files, args.pins)
+        pins = read_pins(files, args.pins)
     except Unreadable as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     report = audit(pins)
     code = exit_status(report, args.strict)
     if args.json:
-        body = {"inputs": args.files + (["--pins"] if args.pins else []),
+        body = {"inputs": files + (["--pins"] if args.pins else []),
                 "pins": {n: {"spec": p.spec or None, "versions": p.versions or None, "where": p.where}
                          for n, p in sorted(pins.items())}, **report, "exit": code}
         print(json.dumps(body, indent=1))
     else:
-        _print(report, pins, args.files + (["--pins"] if args.pins else []), args.verbose)
+        from dspatch import term
+
+        term.out(_lines(report, pins, files + (["--pins"] if args.pins else []), args.verbose))
     return code
 
 
+def main(argv=None, prog="python -m dspatch.audit"):
+    parser = arguments(argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
+    return command(parser.parse_args(argv), prog)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspatch import term
+
+    term.exit_with(main)

@@ -1,53 +1,274 @@
-"""dspatch's command line: `dspatch COMMAND` (the console script), as pip and git have it.
+"""dspatch's command line: `dspatch COMMAND` (the console script; `python -m dspatch` too), as pip and git have it.
 
-    dspatch check [--json] [-v] [--strict] [--only IDS]   what applies here, and why (`dspatch` alone too)
-    dspatch verify [--only IDS] [--json]                  run the reproducers of what applies: stock, then patched
-    dspatch explain LOG [--json]                          which known bug a failed job's log shows, and what to do
-    dspatch export --out DIR [--all]                      the upstream diffs for the installed releases (`git am`)
-    dspatch run [--only IDS] script.py [args...]          run a script with dspatch active (DSPATCH=1 unless set)
-    dspatch audit FILE... [--pins PINS] [--json]          the known bugs a lock or requirements file's pins have
+    dspatch check [ID...] [--json] [-v] [--strict]    what applies here, and why (`dspatch` alone too)
+    dspatch verify [ID...] [--device D] [--json]      run the reproducers of what applies: stock, then patched
+    dspatch explain LOG [--json]                      which known bug a failed job's log shows, and what to do
+    dspatch export --out DIR [--all]                  the upstream diffs for the installed releases (`git am`)
+    dspatch run [--only IDS] SCRIPT [ARGS...]         a script (or -m MODULE) with dspatch active
+    dspatch audit FILE... [--pins PINS] [--json]      the known bugs a lock or requirements file's pins have
+    dspatch canary CONFIG [--loop L] [--stock]        your DeepSpeed config against plain torch, step by step
 
-`check` decides from installed metadata and source files; it imports neither torch nor any patched package
-(`verify` runs each applicable patch's reproducers in subprocesses). `python -m dspatch.apply --check`,
-`python -m dspatch.explain`, `python -m dspatch.export` keep working.
+`check` decides from installed metadata and source files; it imports neither torch nor any patched package.
+`python -m dspatch.apply --check` (the first releases' form) keeps working: dspatch/legacy.py.
+
+Exit codes, every command: 0 done, 1 what was asked found a problem (a drifted patch with --strict, a reproducer
+that did not behave as declared, a bug in the pins with --strict), 2 bad input (usage, a malformed DSPATCH, an
+unknown id, an unreadable file), 5 nothing to do (as pytest's "no tests ran": verify with nothing that applies).
 """
 import os
 import sys
 
 import dspatch
-from dspatch import _apply as dspatch_apply, gating, registry, status as report
+from dspatch import gating, registry, term
 
 PROBLEMS = (gating.DRIFTED, gating.FAILED, gating.BROKEN)
+NOTHING_RAN = 5
+PACKAGES = ("deepspeed", "accelerate", "transformers", "trl")
 
 
-def _env_summary(environ):
-    shown = {k: registry.short(environ[k]) for k in ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT")
-             if environ.get(k)}
-    if not registry.active(environ):
-        state = "DSPATCH is not set: nothing is applied until you set DSPATCH=1 (or a list of ids)"
-    else:
-        state = "active: patches marked 'applies' are applied when their package is imported"
-    return shown, state
+class BadInput(Exception):
+    """What the user gave cannot be used: one line, exit 2."""
 
 
-def _verify(patch, progress=None):
+def say(message):
+    print(f"dspatch: {message}", file=sys.stderr, flush=True)
+
+
+def _selection_or_bad_input(ids=None, source="DSPATCH"):
+    """The selection, or BadInput for a malformed DSPATCH/DSPATCH_DISABLE (or ids): one rule, every command."""
+    try:
+        return registry.selection(ids, source=source)
+    except registry.SelectionError as e:
+        raise BadInput(f"{e}; nothing is applied") from None
+
+
+def _ids(args):
+    """The ids a command was given (positionally and with --only), or None for DSPATCH's selection."""
+    ids = list(getattr(args, "ids", None) or [])
+    only = getattr(args, "only", None)
+    if only is not None:
+        if not only:
+            raise BadInput(f"--only '' names no patch ({registry.HOW})")
+        ids += only
+    return ids or None
+
+
+def _rows(args):
+    """(rows of the patches asked about, whether ids were given). Raises BadInput."""
+    from dspatch import status
+
+    _selection_or_bad_input()  # DSPATCH is read even where ids are given: a bad one is said, everywhere alike
+    ids = _ids(args)
+    if ids is None:
+        return status.check_all(None), False
+    source = f"--only {registry.short(','.join(args.only))}" if getattr(args, "only", None) \
+        else registry.short(" ".join(ids))
+    try:
+        chosen, _ = registry.selection(ids, source=source)
+    except registry.SelectionError as e:
+        raise BadInput(str(e)) from None
+    return [row for row in status.check_all(ids, source=source) if row.patch.id in chosen], True
+
+
+# ---- check -------------------------------------------------------------------------------------------------------
+
+_PAINT = {gating.APPLIES: "yellow", gating.APPLIED: "green", gating.DRIFTED: "red", gating.FAILED: "red",
+          gating.BROKEN: "red", gating.DISABLED: "dim"}
+
+
+def _environment():
+    return {k: os.environ[k] for k in ("DSPATCH", "DSPATCH_DISABLE", "DSPATCH_STRICT") if os.environ.get(k)}
+
+
+def _state():
+    if not registry.active():
+        return "DSPATCH is not set: nothing is applied until you set DSPATCH=1 (or a list of ids)"
+    return "active: patches marked 'applies' are applied when their package is imported"
+
+
+def _summary(rows, asked):
+    here = [r for r in rows if r.found.verdict == gating.APPLIES or r.verdict == gating.APPLIED]
+    applied = [r for r in here if r.verdict == gating.APPLIED]
+    of = f"{len(here)} of {len(rows)}{' asked about' if asked else ''} apply here"
+    if applied:
+        return f"{of}: {len(applied)} applied in this process"
+    if not here:
+        return f"{of}: nothing to apply"
+    if not registry.active() and not asked:
+        return f"{of}; DSPATCH is not set, so none is applied (DSPATCH=1 applies {'it' if len(here) == 1 else 'them'})"
+    left = [r for r in here if r.verdict == gating.DISABLED]
+    if asked:
+        return f"{of}; DSPATCH={','.join(r.patch.id for r in here)} applies {'it' if len(here) == 1 else 'them'}"
+    if left:
+        return f"{of}: {len(here) - len(left)} applied when their packages are imported, {len(left)} left out by " \
+               f"the selection"
+    return f"{of}: applied when their packages are imported"
+
+
+def _table(rows, short_ids, columns, colour, verbose, indent="  "):
+    """Lines of one group: id, verdict and a few words of why, the why wrapped to the terminal."""
+    from dspatch import status
+
+    name = (lambda row: row.patch.id.split("/", 1)[1]) if short_ids else (lambda row: row.patch.id)
+    same = len({row.verdict for row in rows}) == 1 and rows[0].verdict == gating.APPLIES  # the heading says it
+    shown = [(name(row), "" if same else row.verdict, status.brief(row, limit=200), row) for row in rows]
+    w_id = max(len(s[0]) for s in shown)
+    w_verdict = max(len(s[1]) for s in shown)
+    start = len(indent) + w_id + 2 + (w_verdict + 2 if w_verdict else 0)
+    lines = []
+    for ident, verdict, why, row in shown:
+        head = f"{indent}{ident.ljust(w_id)}  "
+        painted = term.paint(verdict, _PAINT.get(verdict, ""), colour)
+        if not why:
+            lines.append((head + painted).rstrip())
+        elif columns - start >= 20:
+            wrapped = term.wrap(why, columns, " " * start)
+            pad = " " * (w_verdict - len(verdict) + 2) if w_verdict else ""
+            lines.append(head + painted + pad + wrapped[0][start:])
+            lines += wrapped[1:]
+        else:
+            lines.append(head + painted)
+            lines += term.wrap(why, columns, indent + "    ")
+        if verbose:
+            more = indent + "    "
+            lines += term.wrap(f"{row.patch.cause or row.patch.summary}", columns, more)
+            lines += term.wrap(f"why: {row.reason}", columns, more, more + "  ")
+            if row.patch.note and row.verdict in (gating.APPLIES, gating.APPLIED):
+                lines += term.wrap(f"note: {row.patch.note}", columns, more, more + "  ")
+            lines += [f"{more}see: {link}" for link in row.patch.links]
+    return lines
+
+
+def _group(rows):
+    """(apply here, need a look, {package: rest}) in registry order."""
+    here = [r for r in rows if r.verdict in (gating.APPLIES, gating.APPLIED)
+            or (r.verdict == gating.DISABLED and r.found.verdict == gating.APPLIES)]
+    look = [r for r in rows if r.verdict in PROBLEMS]
+    rest = {}
+    for r in sorted(rows, key=lambda r: PACKAGES.index(r.patch.distribution) if r.patch.distribution in PACKAGES
+                    else len(PACKAGES)):  # stable: registry order within a package
+        if r not in here and r not in look:
+            rest.setdefault(r.patch.distribution, []).append(r)
+    return here, look, rest
+
+
+def check_text(rows, asked, verbose, columns, colour):
+    here, look, rest = _group(rows)
+    python = f"{sys.executable} (Python {sys.version.split()[0]})"
+    lines = [*term.fit(f"dspatch {dspatch.__version__} for {python}", columns), *term.fit(_state(), columns)]
+    env = _environment()
+    if env:
+        lines += term.fit("  " + " ".join(f"{k}={registry.short(v)}" for k, v in env.items()), columns)
+    if here:
+        lines += ["", f"Apply here ({len(here)}): these releases have the bug"] + \
+            _table(here, False, columns, colour, verbose)
+    if look:
+        lines += ["", f"Need a look ({len(look)}): left out, nothing changed"] + \
+            _table(look, False, columns, colour, verbose)
+    if rest:
+        lines += ["", "The others, by package:" if here or look else "By package:"]
+        for package, group in rest.items():
+            version = group[0].version
+            if not asked and all(r.found.verdict == gating.NOT_INSTALLED for r in group):
+                lines.append(f"  {package}: not installed ({len(group)} patch{'es' * (len(group) > 1)})")
+                continue
+            lines.append(f"  {package} {version}:" if version else f"  {package}:")
+            lines += _table(group, True, columns, colour, verbose, indent="    ")
+    installed = {r.patch.distribution for r in rows if r.found.verdict != gating.NOT_INSTALLED}
+    lines.append("")
+    if not installed and not asked:
+        lines += term.fit(f"None of {', '.join(PACKAGES)} is installed for {sys.executable}: run dspatch with the "
+                          f"training environment's Python (`that-python -m dspatch check`).", columns)
+    lines += term.fit(_summary(rows, asked), columns)
+    unpatched = _known_here()
+    if unpatched:
+        lines += ["", f"Known bugs of these releases that dspatch does not patch ({len(unpatched)}):"]
+        for known, version in unpatched:
+            fix = f"fixed in {known.fixed_in}" if known.fixed_in else "open upstream"
+            lines += term.wrap(f"{known.id} ({known.distribution}=={version}): {known.effect}; {fix}; meanwhile: "
+                               f"{known.advice}", columns, "  ", "    ")
+    if not verbose:
+        lines += term.fit("(-v: each patch's cause, full reason and links; --json: everything)", columns)
+    return lines
+
+
+def check_json(rows, verified=None, extra=None):
+    import json
+
+    out = {"dspatch": dspatch.__version__, "python": sys.executable, "environment": _environment(),
+           "state": _state(), **(extra or {}), "patches": []}
+    for row in rows:
+        d = row.as_dict()
+        if verified and row.patch.id in verified:
+            d["verify"] = verified[row.patch.id]
+        out["patches"].append(d)
+    out["unpatched"] = [{"id": k.id, "distribution": k.distribution, "version": v, "effect": k.effect,
+                         "affected": k.affected, "fixed_in": k.fixed_in, "advice": k.advice,
+                         "links": list(k.links)} for k, v in _known_here()]
+    return json.dumps(out, indent=2)
+
+
+def check(args):
+    rows, asked = _rows(args)
+    status = 1 if args.strict and any(r.verdict in PROBLEMS for r in rows) else 0
+    if args.json:
+        print(check_json(rows))
+        return status
+    _print_lines(check_text(rows, asked, args.verbose, term.width(), term.colours()))
+    return status
+
+
+def _print_lines(lines):
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _known_here():
+    """[(Known, installed version)] of the known bugs no patch fixes that the installed releases have."""
+    from dspatch.known import KNOWN, present
+
+    names = {n for k in KNOWN for n in (k.distribution, *k.requires)}
+    installed = {n: gating.installed_version(n) for n in names}
+    return [(k, installed[k.distribution]) for k in present(installed)]
+
+
+# ---- verify ------------------------------------------------------------------------------------------------------
+
+def device(choice, environ=None):
+    """(DS_ACCELERATOR value, what to say of it) for `verify --device choice`: auto takes DS_ACCELERATOR when set,
+    else the accelerator torch sees (CUDA), else the CPU."""
+    env = os.environ if environ is None else environ
+    if choice != "auto":
+        return choice, f"{choice} (--device {choice})"
+    if env.get("DS_ACCELERATOR"):
+        return env["DS_ACCELERATOR"], f"{env['DS_ACCELERATOR']} (DS_ACCELERATOR is set)"
+    import subprocess
+
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(int(torch.cuda.is_available()), "
+                            "torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"],
+                           capture_output=True, text=True, env={**env, "DSPATCH": ""})
+    seen, _, name = probe.stdout.strip().partition(" ")
+    if seen == "1":
+        return "cuda", f"cuda ({name or 'a CUDA device'}; nccl): --device cpu for the CPU"
+    return "cpu", "cpu (gloo): no CUDA device seen by torch"
+
+
+def _verify(patch, accelerator="cpu", progress=None, label=""):
     """Run the reproducers on stock code and with the patch, each in a fresh interpreter."""
+    import json
+    import subprocess
     import time
 
     outcome = {}
     for mode, extra in (("stock", []), ("patched", ["--apply"])):
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSPATCH")}
-        env["DS_ACCELERATOR"] = "cpu"  # the reproducers build CPU tensors
+        env["DS_ACCELERATOR"] = accelerator
         started = time.monotonic()
         if progress:
-            progress(f"dspatch: --verify {patch.id}: {mode} ({len(patch.scenarios)} reproducers)...")
-        import json
-        import subprocess  # --verify only: --check stays light
-
+            progress(f"{label}{patch.id}: {mode} ({len(patch.scenarios)} reproducers)...")
         proc = subprocess.run([sys.executable, "-m", "dspatch.verify", patch.id, *extra], env=env,
                               capture_output=True, text=True)
         if progress:
-            progress(f"dspatch: --verify {patch.id}: {mode} done in {time.monotonic() - started:.0f} s")
+            progress(f"{label}{patch.id}: {mode} done in {time.monotonic() - started:.0f} s")
         try:
             outcome[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
         except (IndexError, ValueError, KeyError):
@@ -62,245 +283,280 @@ def _verify(patch, progress=None):
     return ok, summary, outcome
 
 
-def check(args):
-    try:
-        rows = report.check_all(args.only, source=_only_source(args))
-    except registry.SelectionError as e:
-        print(f"dspatch: {e}", file=sys.stderr)
-        return 2
-    shown, state = _env_summary(os.environ)
-    status = 1 if args.strict and any(r.verdict in PROBLEMS for r in rows) else 0
-    verified = {}
-    if args.verify:
-        for row in rows:
-            if row.verdict in (gating.APPLIES, gating.APPLIED):
-                ok, summary, outcome = _verify(row.patch, progress=lambda m: print(m, file=sys.stderr, flush=True))
-                verified[row.patch.id] = {"ok": ok, "summary": summary, "scenarios": outcome}
-                status = status or (0 if ok else 1)
-    unpatched = _known_here()
+def verify(args):
+    rows, asked = _rows(args)
+    todo = [r for r in rows if r.verdict in (gating.APPLIES, gating.APPLIED)]
+    if not todo:
+        installed = [r for r in rows if r.found.verdict != gating.NOT_INSTALLED]
+        if not installed:
+            say(f"nothing to verify: none of the packages {'of the patches asked about' if asked else 'dspatch knows'} "
+                f"is installed for {sys.executable}")
+        else:
+            for row in rows if asked else []:
+                say(f"{row.patch.id}: {row.verdict}: {row.reason}")
+            say(f"nothing to verify: {'none of the patches asked about' if asked else 'no patch'} applies here "
+                f"(`dspatch check` says why)")
+        return NOTHING_RAN
+    accelerator, where = device(args.device)
+    say(f"verify: {len(todo)} patch{'es' * (len(todo) > 1)} on {where}; each runs its reproducers on stock, then "
+        f"patched, in fresh interpreters")
+    verified, status = {}, 0
+    for number, row in enumerate(todo, 1):
+        ok, summary, outcome = _verify(row.patch, accelerator, progress=say, label=f"patch {number} of {len(todo)}: ")
+        verified[row.patch.id] = {"ok": ok, "summary": summary, "scenarios": outcome}
+        status = status or (0 if ok else 1)
     if args.json:
-        out = {"dspatch": dspatch.__version__, "environment": shown, "state": state, "patches": []}
-        for row in rows:
-            d = row.as_dict()
-            if row.patch.id in verified:
-                d["verify"] = verified[row.patch.id]
-            out["patches"].append(d)
-        out["unpatched"] = [{"id": k.id, "distribution": k.distribution, "version": v, "effect": k.effect,
-                             "affected": k.affected, "fixed_in": k.fixed_in, "advice": k.advice,
-                             "links": list(k.links)} for k, v in unpatched]
-        import json
-
-        print(json.dumps(out, indent=2))
+        print(check_json(todo, verified, {"device": accelerator}))
         return status
-    print(f"dspatch {dspatch.__version__}: {state}")
-    if shown:
-        print("  " + " ".join(f"{k}={v}" for k, v in shown.items()))
-    if args.verify:
-        print("  --verify runs each reproducer in a fresh interpreter on the CPU (DS_ACCELERATOR=cpu, gloo), "
-              "whatever accelerator this machine has")
-    table = [("patch", "package", "verdict", "why")]
-    table += [(row.patch.id, f"{row.patch.distribution}=={row.version}" if row.version else row.patch.distribution,
-               row.verdict, report.brief(row)) for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(3)]
-    for number, line in enumerate(table):
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[3])
-        if number == 0:
-            print("  ".join("-" * width for width in widths) + "  " + "-" * 3)
-            continue
-        row = rows[number - 1]
-        if args.verbose:
-            print(f"    {row.patch.summary}")
-            print(f"    why: {row.reason}")
-            if row.patch.note and row.verdict in (gating.APPLIES, gating.APPLIED):
-                print(f"    note: {row.patch.note}")
-            for link in row.patch.links:
-                print(f"    see: {link}")
-        if row.patch.id in verified:
-            v = verified[row.patch.id]
-            print(f"    verify: {'OK' if v['ok'] else 'FAILED'} ({v['summary']})")
-            stock, patched = v["scenarios"]["stock"], v["scenarios"]["patched"]
-            for name in dict.fromkeys([*stock, *patched]):  # what each reproducer saw, in the bug's own words
-                seen = stock.get(name, "not run").split("\n")[0]
-                print(f"    {name}: stock: {seen[:160]}; patched: {patched.get(name, 'not run').split(chr(10))[0][:160]}")
-    if unpatched:
-        print(f"\nKnown bugs of these releases that dspatch does not patch ({len(unpatched)}):")
-        for known, version in unpatched:
-            fix = f"fixed in {known.fixed_in}" if known.fixed_in else "open upstream"
-            print(f"  {known.id} ({known.distribution}=={version}): {known.effect}; {fix}; meanwhile: {known.advice}")
-    if not args.verbose:
-        print("(-v: each patch's summary, full reason, notes and links; --json: everything)")
+    columns = term.width()
+    colour = term.colours()
+    lines = [f"dspatch verify on {where}:"]
+    for row in todo:
+        v = verified[row.patch.id]
+        lines.append(f"  {row.patch.id}: {term.paint('OK' if v['ok'] else 'FAILED', 'green' if v['ok'] else 'red', colour)}"
+                     f" ({v['summary']})")
+        stock, patched = v["scenarios"]["stock"], v["scenarios"]["patched"]
+        for name in dict.fromkeys([*stock, *patched]):  # what each reproducer saw, in the bug's own words
+            seen = stock.get(name, "not run").split("\n")[0]
+            after = patched.get(name, "not run").split("\n")[0]
+            lines += term.wrap(f"{name}: stock: {seen[:160]}; patched: {after[:160]}", columns, "    ", "      ")
+    good = sum(v["ok"] for v in verified.values())
+    lines.append(f"{good} of {len(todo)} verified: the bug shows on stock and the patch fixes it" if good == len(todo)
+                 else f"{len(todo) - good} of {len(todo)} did not behave as declared: please report it with this output")
+    _print_lines(lines)
     return status
 
 
-def _known_here():
-    """[(Known, installed version)] of the known bugs no patch fixes that the installed releases have."""
-    from dspatch.known import KNOWN, present
+# ---- run ---------------------------------------------------------------------------------------------------------
 
-    names = {n for k in KNOWN for n in (k.distribution, *k.requires)}
-    installed = {n: gating.installed_version(n) for n in names}
-    return [(k, installed[k.distribution]) for k in present(installed)]
+def _ours(filename):
+    import runpy
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    return filename.startswith(here + os.sep) or filename in (runpy.__file__, "<frozen runpy>")
 
 
-def _only_source(args):
-    return f"--only {registry.short(','.join(args.only or []))}"
+def run_user_code(target, module, script_args):
+    """Run `target` (a script's path, or a module's name when `module`) as __main__, as `python` does: its own
+    sys.argv and sys.path[0], and a failure's traceback from the user's code down (dspatch's and runpy's frames
+    above it left out). Returns the exit status."""
+    import runpy
+
+    if module:
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())
+        try:
+            found = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise BadInput(f"no module named {target}")
+        sys.argv = [target, *script_args]  # runpy puts the module's path in argv[0]
+    else:
+        sys.argv = [target, *script_args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(os.path.abspath(target), run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as e:  # KeyboardInterrupt too: shown as python shows it, from the user's frames
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None and _ours(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
+        sys.excepthook(type(e), e.with_traceback(tb), tb)  # the hook prints the exception's own traceback
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    return 0
 
 
 def run_script(args):
     # Through the environment, so that every process the script starts (spawn workers, launchers) is
     # patched the same way, as with DSPATCH=... on the command line.
+    what = f"-m {args.module}" if args.module else os.path.basename(args.script)
     try:  # a bad selection is refused before the script runs (it would run unpatched)
-        registry.selection(args.only, source=_only_source(args))
-    except registry.SelectionError as e:
-        print(f"dspatch: {e}; {args.script} not run", file=sys.stderr)
-        return 2
+        if args.only is not None:
+            registry.selection(args.only, source=f"--only {registry.short(','.join(args.only))}")
+        _selection_or_bad_input()
+    except (registry.SelectionError, BadInput) as e:
+        raise BadInput(f"{e}; {what} not run") from None
+    if not args.module and not os.path.exists(args.script):
+        raise BadInput(f"no such script: {args.script}")
     if args.only is not None:
         os.environ["DSPATCH"] = ",".join(args.only)
     elif not registry.active():
         os.environ["DSPATCH"] = "1"
-    dspatch_apply(None, strict=None)
-    sys.argv = [args.script, *args.script_args]
-    import runpy
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
-    runpy.run_path(args.script, run_name="__main__")
-    return 0
+    dspatch._apply(None, strict=None)
+    return run_user_code(args.module or args.script, bool(args.module), args.script_args)
 
 
-# `--check` with these flags alone (what users and launchers run) is read without argparse, which with the
-# shutil it pulls in costs a sixth of --check; anything else (a script, --only, --help, a typo) goes to argparse
-_PLAIN_FLAGS = {"--check": "check", "--json": "json", "-v": "verbose", "--verbose": "verbose", "--strict": "strict",
-                "--verify": "verify"}
+# ---- the parser --------------------------------------------------------------------------------------------------
+
+COMMANDS = {"check": "what applies here, and why",
+            "verify": "run the reproducers of what applies: the bug on stock, then fixed",
+            "explain": "which known bug a failed job's log shows, and what to do",
+            "export": "the upstream diffs for this environment, as `git am` series",
+            "run": "run a script or module with dspatch active",
+            "canary": "your DeepSpeed config on a tiny model against plain torch: a silent bug shows, named or not",
+            "audit": "the known bugs a lock or requirements file's pins have, before installing"}
+
+
+def _ids_argument(parser, what):
+    parser.add_argument("ids", nargs="*", metavar="ID", help=f"{what}: patch ids, or prefixes such as 'deepspeed' "
+                        "(default: what DSPATCH selects, or every patch)")
+    parser.add_argument("--only", type=registry.split, default=None, metavar="IDS",
+                        help="the same, comma-separated")
+
+
+def parser():
+    """The `dspatch` parser; its subcommands' parsers are in `.commands` ({name: parser})."""
+    import argparse
+
+    from dspatch import audit, explain, export
+
+    top = argparse.ArgumentParser(prog="dspatch", description="Version-pinned fixes for known DeepSpeed, accelerate, "
+                                  "transformers and trl bugs. Patch a job with DSPATCH=1 in its environment (every "
+                                  "rank), or `dspatch run train.py`.", epilog="`dspatch` alone is `dspatch check`. "
+                                  "Docs: README.md and docs/ of the source tree.")
+    top.add_argument("--version", action="version", version=f"dspatch {dspatch.__version__}")
+    commands = top.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    top.commands = {}
+
+    def command(name, description=None, epilog=None):
+        top.commands[name] = commands.add_parser(name, help=COMMANDS[name], description=description or COMMANDS[name],
+                                                 epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        return top.commands[name]
+
+    p = command("check", "What applies to this environment, and why: one row per patch, what applies here first.",
+                "Exit 0; 1 with --strict when a patch drifted or failed; 2 for a bad DSPATCH or id.")
+    _ids_argument(p, "only these")
+    p.add_argument("--json", action="store_true", help="everything, as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="each patch's cause, full reason, notes and links")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a patch drifted or failed")
+
+    p = command("verify", "Run the reproducers of the patches that apply here (or of the ids given), each in a fresh "
+                "interpreter: stock must show the bug, the patch must fix it.",
+                "Exit 0 when every one behaved as declared, 1 when one did not, 2 for bad input, 5 when nothing "
+                "applies here (nothing ran).")
+    _ids_argument(p, "only these")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the reproducers run: auto (default) takes DS_ACCELERATOR when set, else a CUDA device "
+                   "when torch sees one, else the CPU (gloo)")
+    p.add_argument("--json", action="store_true", help="the results as JSON")
+
+    explain.arguments(command("explain", "Name the known bugs a failed job's log shows, and what to do.",
+                              "Exit 0 when it names or offers a known bug, 1 when the log shows none, 2 for an "
+                              "unreadable log."))
+    export.arguments(command("export", export.__doc__.splitlines()[0], "\n".join(export.__doc__.splitlines()[2:])))
+    p = command("run", "Run a script (or -m MODULE) with dspatch active (DSPATCH=1 unless DSPATCH or --only selects "
+                "patches); the processes it starts are patched the same way.",
+                "Its exit status is the script's; 2 when the selection is bad (the script does not run).")
+    p.add_argument("--only", type=registry.split, default=None, metavar="IDS", help="comma-separated ids or prefixes")
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as `python -m MODULE`")
+    p.add_argument("script", nargs="?", help="the script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="its arguments")
+    audit.arguments(command("audit", audit.DESCRIPTION, audit.EPILOG))
+    from dspatch import canary
+
+    canary.arguments(command("canary", canary.__doc__.splitlines()[0], "\n".join(canary.__doc__.splitlines()[2:])))
+    return top
+
+
+# `dspatch check` with these flags alone (what users and launchers run) is read without argparse, which costs a
+# sixth of a warm check; anything else (ids, --only, --help, a typo) goes to argparse
+_PLAIN_FLAGS = {"--json": "json", "-v": "verbose", "--verbose": "verbose", "--strict": "strict"}
 
 
 def _plain(argv):
-    """The parsed arguments when argv holds only flags of _PLAIN_FLAGS, each once; else None."""
-    if len(set(argv)) != len(argv) or not set(argv) <= set(_PLAIN_FLAGS):
-        return None
-    if "-v" in argv and "--verbose" in argv:
+    """The parsed arguments of `check` when argv holds only flags of _PLAIN_FLAGS, each once; else None."""
+    if len(set(argv)) != len(argv) or not set(argv) <= set(_PLAIN_FLAGS) or {"-v", "--verbose"} <= set(argv):
         return None
     import types
 
-    args = types.SimpleNamespace(**dict.fromkeys(_PLAIN_FLAGS.values(), False), only=None, script=None,
-                                 script_args=[])
+    args = types.SimpleNamespace(command="check", ids=[], only=None, **dict.fromkeys(set(_PLAIN_FLAGS.values()),
+                                                                                    False))
     for flag in argv:
         setattr(args, _PLAIN_FLAGS[flag], True)
     return args
 
 
-def _parser(prog="python -m dspatch.apply"):
+def _run_arguments(parser, argv):
+    """`dspatch run`'s arguments: --only IDS, then a script or -m MODULE; everything after that is the script's own
+    (`dspatch run train.py --only x` passes --only to train.py), as `python` reads its command line."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog=prog, description="what applies here and why (--check), or run a script "
-                                     "with dspatch active", formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="show every patch's verdict here, and why")
-    parser.add_argument("--json", action="store_true", help="with --check: machine-readable output")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="with --check: each patch's summary, full reason, notes and links")
-    parser.add_argument("--strict", action="store_true", help="with --check: exit 1 if a patch drifted or failed")
-    parser.add_argument("--verify", action="store_true",
-                        help="with --check: run each applicable patch's reproducers, stock and patched")
-    parser.add_argument("--only", type=registry.split, default=None, metavar="IDS",
-                        help="comma-separated patch ids or prefixes instead of DSPATCH")
-    parser.add_argument("script", nargs="?", help="a Python script to run with dspatch active")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER)
-    return parser
+    args = argparse.Namespace(command="run", only=None, module=None, script=None, script_args=[])
+    rest = list(argv)
+    while rest:
+        word = rest.pop(0)
+        if word in ("-h", "--help"):
+            parser.print_help()
+            parser.exit()
+        elif word == "--only" or word.startswith("--only="):
+            value = word.partition("=")[2] if "=" in word else (rest.pop(0) if rest else parser.error(
+                "argument --only: expected one argument"))
+            args.only = registry.split(value)
+        elif word == "-m" or (word.startswith("-m") and len(word) > 2):
+            args.module = word[2:] or (rest.pop(0) if rest else parser.error("argument -m: expected one argument"))
+            break
+        elif word == "--":
+            args.script = rest.pop(0) if rest else None
+            break
+        elif word.startswith("-"):
+            parser.error(f"unrecognized arguments: {word} (options go before the script)")
+        else:
+            args.script = word
+            break
+    args.script_args = rest
+    return args
 
 
-def legacy_main(argv=None, prog="python -m dspatch.apply"):
-    """`python -m dspatch.apply` (flags, or a script): what `dspatch check` and `dspatch run` do now."""
-    args = _plain(sys.argv[1:] if argv is None else list(argv))
-    if args is not None:
+def dispatch(args):
+    if args.command == "check":
         return check(args)
-    parser = _parser(prog)
-    args = parser.parse_args(argv)
-    if args.script and args.check:
-        parser.error("--check takes no script: run `--check` alone, or a script without it")
-    if args.script and not os.path.isfile(args.script):
-        print(f"dspatch: no such script: {args.script}", file=sys.stderr)
-        return 2
-    if args.script:
+    if args.command == "verify":
+        return verify(args)
+    if args.command == "run":
+        if not args.module and not args.script:
+            raise BadInput("give a script, or -m MODULE (`dspatch run --help`)")
         return run_script(args)
-    return check(args)  # `--check` is the default: `dspatch` alone shows the verdicts
+    from dspatch import audit, canary, explain, export
 
-
-COMMANDS = {"check": "what applies here, and why", "verify": "run the reproducers of what applies, stock then patched",
-            "explain": "which known bug a failed job's log shows", "export": "the upstream diffs for this environment",
-            "run": "run a script with dspatch active",
-            "audit": "the known bugs a lock or requirements file's pins have, before installing"}
-
-
-def _usage():
-    lines = ["usage: dspatch COMMAND [options]   (dspatch COMMAND --help for each)", "", "commands:"]
-    lines += [f"  {name:<9} {what}" for name, what in COMMANDS.items()]
-    lines += ["", "`dspatch` alone is `dspatch check`. Patching a job: DSPATCH=1 in its environment (every rank), or",
-              "`dspatch run train.py`. Docs: the README and docs/ of the source tree."]
-    return "\n".join(lines)
+    return {"explain": explain.command, "export": export.command, "audit": audit.command,
+            "canary": canary.command}[args.command](args)
 
 
 def main(argv=None):
     """The `dspatch` command."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    command, rest = (argv[0], argv[1:]) if argv else ("check", [])
-    if command in ("-h", "--help", "help"):
-        print(_usage())
-        return 0
-    if command == "check":
-        if "-h" in rest or "--help" in rest:
-            print("usage: dspatch check [--json] [-v] [--strict] [--only IDS]\n\n" + COMMANDS["check"] +
-                  ": one row per patch (package==version, verdict, why); --json for tools, -v for every reason, "
-                  "--strict exits 1 when a patch drifted or failed")
-            return 0
-        return legacy_main(["--check", *rest], prog="dspatch check")
-    if command == "verify":
-        if "-h" in rest or "--help" in rest:
-            print("usage: dspatch verify [--only IDS] [--json] [-v]\n\n" + COMMANDS["verify"] + ", each in a fresh "
-                  "interpreter on the CPU (DS_ACCELERATOR=cpu, gloo); exits 1 when one does not behave as declared")
-            return 0
-        return legacy_main(["--check", "--verify", *rest], prog="dspatch verify")
-    if command == "explain":
-        from dspatch import explain
-
-        return explain.main(rest, prog="dspatch explain")
-    if command == "export":
-        from dspatch import export
-
-        return export.main(rest, prog="dspatch export")
-    if command == "audit":
-        from dspatch import audit
-
-        return audit.main(rest, prog="dspatch audit")
-    if command == "run":
-        if not rest or rest[0] in ("-h", "--help"):
-            print("usage: dspatch run [--only IDS] script.py [args...]\n\n" + COMMANDS["run"] + " (DSPATCH=1 unless "
-                  "DSPATCH or --only selects patches); the processes it starts are patched the same way")
-            return 0 if rest else 2
-        return legacy_main(rest, prog="dspatch run")
-    if command.startswith("-") or os.path.isfile(command):  # the first releases' forms: `dspatch --check`, a script
-        return legacy_main(argv, prog="dspatch")
-    print(f"dspatch: {command!r} is not a command (nor a script here)\n\n{_usage()}", file=sys.stderr)
-    return 2
-
-
-def _exit(call):
+    args = _plain(argv[1:]) if argv[:1] == ["check"] else _plain([]) if not argv else None
     try:
-        code = call()
-        sys.stdout.flush()
-    except BrokenPipeError:  # `dspatch check | head`: end quietly, as other command-line tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 0
-    except KeyboardInterrupt:
-        print("dspatch: interrupted", file=sys.stderr)
-        code = 130
-    sys.exit(code)
-
-
-def run_legacy():
-    _exit(legacy_main)
+        if args is None:
+            p = parser()
+            if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+                hint = f"; to run a script: dspatch run {argv[0]}" if argv[0].endswith(".py") else ""
+                p.print_usage(sys.stderr)
+                raise BadInput(f"{argv[0]!r} is not a command ({', '.join(COMMANDS)}){hint}")
+            if argv[:1] == ["run"]:  # options up to the script or module: the rest is theirs, as python has it
+                args = _run_arguments(p.commands["run"], argv[1:])
+            elif argv and argv[0] in COMMANDS:  # the command's own parser: its usage in its errors
+                args = p.commands[argv[0]].parse_args(argv[1:])
+                args.command = argv[0]
+            else:
+                args = p.parse_args(argv)
+            if args.command is None:
+                args = _plain([])
+        return dispatch(args)
+    except BadInput as e:
+        say(str(e))
+        return 2
 
 
 def run():
     """The console script's entry point."""
-    _exit(main)
+    term.exit_with(main)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ _ERROR_BEFORE = re.compile(r"(?:^|[^\w.])(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*):$")
 _BARE = re.compile(r"^[\s`'\">*#|:-]*$")
 # versions a log prints: pip freeze/list, `transformers-cli env` / `trl env`, ds_report, DeepSpeed's banner and
 # zero_to_fp32's "created by deepspeed==X"
-_DISTRIBUTIONS = ("deepspeed", "transformers", "accelerate", "trl", "peft", "torch")
 _VERSION = re.compile(r"(?i)(?:^|[^\w/.-])(deepspeed|transformers|accelerate|trl|peft|torch)(?![\w/-])[`'\"]?"
                       r"(?:\s*(?:info|version)\b)?(?:\s*:\s*|\s*==\s*|\s*=\s*|\s+|\s*\.{2,}\s*)"
                       r"v?(\d+\.\d+\.\d+(?:[.+-]?(?:dev|rc|post|a|b)\d*)?)(?![\d.]*\w)")
@@ -191,13 +190,6 @@ def log_versions(lines):
             for name, found in seen.items() if len(found) == 1}
 
 
-def _signatures(patch):
-    from dspatch.spec import Signature
-
-    for signature in patch.signatures:
-        yield signature if isinstance(signature, Signature) else Signature(signature)
-
-
 def _hits(lines, patches):
     """Every place a patch's signature matches: {line number: [hit]}, a hit the patch, its signature, the text
     and the line numbers that decided (needs, and the hint if one matched). `needs` are looked for in the message's
@@ -206,7 +198,7 @@ def _hits(lines, patches):
     everywhere = range(len(lines))
     holding = {}  # trigger word -> numbers of the lines that hold it
     for patch in patches:
-        for signature in _signatures(patch):
+        for signature in patch.signatures:
             trigger = _trigger(signature.message)
             if trigger:  # only where the message's word is, on its line or up to _JOINED lines below
                 for word in trigger[0]:
@@ -354,40 +346,52 @@ def find(lines, patches):
     return unique, choices, once
 
 
-def advice(patch, environ=None):
-    """(verdict, reason, active, what to do) for this environment."""
+def _where_the_job_ran(patch, logged):
+    """What to do where the log came from, when this environment is not where its bug is: the release the log
+    printed (or the patch's range, where it printed none), and the DSPATCH that fixes the job there."""
+    fix = f"DSPATCH={patch.id} (or DSPATCH=1) on every rank fixes it there"
+    upgrade = f", as does {patch.distribution} {patch.fixed_in} or later" if patch.fixed_in else ""
+    version = logged.get(patch.distribution)
+    if version and not _outside(patch, logged):
+        if patch.supported and not _in_range(version, patch.supported):
+            return (f"the job's {patch.distribution} {version} has this bug, but the patch is written for "
+                    f"{patch.supported} only: upgrade to {patch.fixed_in or 'a release with the fix'}")
+        return f"the job ran {patch.distribution} {version} (printed in the log), which has this bug: {fix}{upgrade}"
+    span = "every release" if patch.affected.strip() in ("", ">=0") else patch.affected
+    return f"where the job ran a {patch.distribution} with the bug ({span}), {fix}{upgrade}"
+
+
+def advice(patch, environ=None, logged=None):
+    """(verdict, reason, active, what to do) for this environment, and the job the log came from (`logged`: the
+    versions the log prints, {distribution: version})."""
     from dspatch import gating, registry
 
     env = os.environ if environ is None else environ
+    logged = logged or {}
     found = gating.evaluate(patch)
     version, verdict, reason = found.version, found.verdict, found.reason
     try:
         selected = patch.id in registry.selection(None, env, "DSPATCH")[0] if registry.active(env) else False
     except registry.SelectionError:
         selected = False
-    link = patch.links[0] if patch.links else ""
-    if verdict == gating.APPLIES:
+    if verdict == gating.APPLIES and not (logged.get(patch.distribution, version) != version
+                                          and _outside(patch, logged)):
         if selected:
             todo = ("it is active here (DSPATCH selects it); if this log comes from a job run with it active, "
                     "the fix did not hold: please report it with the log")
         else:
-            todo = f"set DSPATCH=1 (or DSPATCH={patch.id}) for the job, on every rank"
-    elif verdict == gating.FIXED_UPSTREAM:
-        todo = (f"this environment has {patch.distribution} {version}, which has upstream's fix: the log came from "
-                f"an older one; upgrade there to {patch.fixed_in} or later, or run it here")
-    elif patch.fixed_in:
-        todo = f"upgrade {patch.distribution} to {patch.fixed_in} or later (fixed upstream)"
+            todo = f"set DSPATCH={patch.id} (or DSPATCH=1) for the job, on every rank"
     else:
-        todo = f"open upstream, see {link}" if link else "open upstream"
+        todo = _where_the_job_ran(patch, logged)
         if verdict == gating.DRIFTED:
-            todo += "; dspatch leaves this install alone because its source is not a known release's"
+            todo += "; here dspatch leaves this install alone: its source is not a known release's"
     return verdict, reason, selected, todo
 
 
-def _entry(patch, environ):
-    verdict, reason, active, todo = advice(patch, environ)
-    return {"id": patch.id, "cause": patch.summary, "verdict": verdict, "reason": reason, "active": active,
-            "do": todo, "links": list(patch.links)}
+def _entry(patch, environ, logged=None):
+    verdict, reason, active, todo = advice(patch, environ, logged)
+    return {"id": patch.id, "cause": patch.cause or patch.summary, "fix": patch.summary, "verdict": verdict,
+            "reason": reason, "active": active, "do": todo, "links": list(patch.links)}
 
 
 def explain(text, patches=None, environ=None):
@@ -398,14 +402,15 @@ def explain(text, patches=None, environ=None):
     patches = list(registry.all_patches().values()) if patches is None else patches
     lines = clean_lines(text) if isinstance(text, str) else text
     named, undecided, aside = find(lines, patches)
-    bugs = [{**_entry(item["patch"], environ), "line": item["line"], "text": item["text"],
+    logged = {name: version for name, (version, _) in log_versions(lines).items()}
+    bugs = [{**_entry(item["patch"], environ, logged), "line": item["line"], "text": item["text"],
              "confidence": item["confidence"], "why": item["why"], "versions": item["versions"]}
             for item in named]
     choices = [{"ids": [p.id for p in item["patches"]], "line": item["line"], "text": item["text"],
                 "why": item["why"], "versions": item["versions"], "also": item["also"],
-                "candidates": [{**_entry(p, environ), "tell": item["tell"][p.id]} for p in item["patches"]]}
+                "candidates": [{**_entry(p, environ, logged), "tell": item["tell"][p.id]} for p in item["patches"]]}
                for item in undecided]
-    set_aside = [{**_entry(item["patch"], environ), "line": item["line"], "text": item["text"],
+    set_aside = [{**_entry(item["patch"], environ, logged), "line": item["line"], "text": item["text"],
                   "ruled_out": item["reason"]} for item in aside]
     return len(lines), bugs, choices, set_aside
 
@@ -476,7 +481,7 @@ def _plan(patches):
     patterns need per signature) or None when a pattern has no fixed text (then every line is read)."""
     triggers, anywhere = {}, {}
     for patch in patches:
-        for signature in _signatures(patch):
+        for signature in patch.signatures:
             trigger = _trigger(signature.message)
             if not trigger:
                 return None
@@ -799,71 +804,78 @@ def open_log(source):
     return copy
 
 
-def _print(bugs, choices, aside, count, source):
+def _lines(bugs, choices, aside, count, source):
+    out = []
     if not bugs and not choices and not aside:
-        print(f"No known bug found in {count} lines of {'standard input' if source == '-' else source}. "
-              f"dspatch knows: {', '.join(_known_ids())}.")
+        out.append(f"No known bug found in {count} lines of {'standard input' if source == '-' else source}. "
+                   f"dspatch knows the log lines of {len(_known_ids())} bugs (`dspatch check -v` lists every patch).")
     for item in bugs:
-        print(f"{item['id']}: {item['cause']}")
-        print(f"  seen at line {item['line']}: {item['text'][:200]}")
-        print(f"  {item['confidence']}" + (f": {'; '.join(item['why'])}" if item["why"] else ""))
+        out.append(f"{item['cause']} ({item['id']})")
+        out.append(f"  seen at line {item['line']}: {item['text'][:200]}")
+        out.append(f"  {item['confidence']}" + (f": {'; '.join(item['why'])}" if item["why"] else ""))
         if item["versions"]:
-            print("  versions: " + ", ".join(f"{k} {v}" for k, v in item["versions"].items()))
-        print(f"  here: {item['verdict']} ({item['reason']}){'; active' if item['active'] else ''}")
-        print(f"  do: {item['do']}")
+            out.append("  versions: " + ", ".join(f"{k} {v}" for k, v in item["versions"].items()))
+        out.append(f"  fix: {item['fix']}")
+        out.append(f"  here: {item['verdict']} ({item['reason']}){'; active' if item['active'] else ''}")
+        out.append(f"  do: {item['do']}")
     for item in choices:
         known = f"one of {len(item['ids'])} known bugs" if len(item["ids"]) > 1 else "a known bug"
-        print(f"line {item['line']} shows {known}{', or a failure no patch fixes,' if item['also'] else ''} and the "
-              f"log does not say which: {item['text'][:200]}")
-        for why in item["why"]:
-            print(f"  ({why})")
+        out.append(f"line {item['line']} shows {known}{', or a failure no patch fixes,' if item['also'] else ''} and "
+                   f"the log does not say which: {item['text'][:200]}")
+        out += [f"  ({why})" for why in item["why"]]
         for candidate in item["candidates"]:
-            print(f"  - {candidate['id']}: {candidate['cause']}")
+            out.append(f"  - {candidate['id']}: {candidate['cause']}")
             if candidate["tell"]:
-                print(f"    it is this one if {candidate['tell']}")
-            print(f"    here: {candidate['verdict']} ({candidate['reason']}); do: {candidate['do']}")
-        for other in item["also"]:
-            print(f"  - or, with no dspatch fix: {other}")
+                out.append(f"    it is this one if {candidate['tell']}")
+            out.append(f"    here: {candidate['verdict']} ({candidate['reason']}); do: {candidate['do']}")
+        out += [f"  - or, with no dspatch fix: {other}" for other in item["also"]]
     for item in aside:
-        print(f"line {item['line']} has the message of {item['id']}, which this environment does not have: "
-              f"{item['ruled_out']}. If the log came from another machine, check its versions there.")
-        print(f"  seen: {item['text'][:200]}")
+        out.append(f"line {item['line']} has the message of {item['id']} ({item['cause']}), which this environment "
+                   f"does not have: {item['ruled_out']}; {item['do']}")
+        out.append(f"  seen: {item['text'][:200]}")
+    return out
 
 
-def main(argv=None, prog="python -m dspatch.explain"):
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="Name the known bugs a failed job's log shows (exit 0), or say "
-                                                 "that it shows none (exit 1).")
-    parser.add_argument("log", nargs="?", default="-", help="the log file, or - for standard input (default)")
+def arguments(parser):
+    parser.add_argument("log", nargs="?", default="-", help="the log file (.gz too), or - for standard input "
+                        "(default)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
-    args = parser.parse_args(argv)
-    who = prog.replace("python -m ", "")
+    return parser
+
+
+def command(args, prog="dspatch explain"):
     if args.log == "-" and sys.stdin.isatty():
-        parser.print_usage(sys.stderr)
-        print(f"{who}: give a log file, or pipe one in (`... 2>&1 | {prog} -`)", file=sys.stderr)
+        print(f"usage: {prog} LOG [--json]\n{prog}: give a log file, or pipe one in (`... 2>&1 | {prog} -`)",
+              file=sys.stderr)
         return 2
     from dspatch import registry
 
     try:
+        registry.selection()  # what `here:` says reads DSPATCH: a bad value is refused, as by every command
+    except registry.SelectionError as e:
+        print(f"dspatch: {e}; nothing is applied", file=sys.stderr)
+        return 2
+    try:
         with open_log(args.log) as f:
             text = skim(f, list(registry.all_patches().values()))
     except (OSError, EOFError, Unreadable) as e:  # EOFError: a gzip cut short
-        print(f"{who}: cannot read {'standard input' if args.log == '-' else args.log}: "
+        print(f"{prog}: cannot read {'standard input' if args.log == '-' else args.log}: "
               f"{getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"{who}: interrupted", file=sys.stderr)
-        return 130
     count, bugs, choices, aside = explain(text)
-    try:
-        if args.json:
-            print(json.dumps({"lines": count, "bugs": bugs, "undecided": choices, "set_aside": aside}))
-        else:
-            _print(bugs, choices, aside, count, args.log)
-        sys.stdout.flush()
-    except BrokenPipeError:  # piped into head: end quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if args.json:
+        print(json.dumps({"lines": count, "bugs": bugs, "undecided": choices, "set_aside": aside}))
+    else:
+        from dspatch import term
+
+        term.out(_lines(bugs, choices, aside, count, args.log))
     return 0 if bugs or choices or aside else 1
+
+
+def main(argv=None, prog="python -m dspatch.explain"):
+    parser = arguments(argparse.ArgumentParser(prog=prog, description="Name the known bugs a failed job's log "
+                                               "shows (exit 0), or say that it shows none (exit 1)."))
+    return command(parser.parse_args(argv), prog)
 
 
 def _known_ids():
@@ -873,4 +885,6 @@ def _known_ids():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspatch import term
+
+    term.exit_with(main)

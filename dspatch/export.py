@@ -3,6 +3,7 @@
     dspatch export --out prs/                   per project, the series of the patches that apply here
     dspatch export --out prs/ --all             every band of every patch, each standalone (upstream_prs/)
     dspatch export --check-against CHECKOUT     `git apply --check` of each diff that applies here on your checkout
+                                                (or on the installed packages: --check-against a site-packages)
 
 Without --all, one series per project: the diff of each applicable patch for the installed release, in order, each
 made on top of the ones before it where they change the same lines (3-way merged, as `git am -3` would), so that
@@ -29,11 +30,6 @@ def _chosen(everything):
             relative = row.patch.diff_for(row.version)
             if relative:
                 yield row, relative
-
-
-def _touches(diff, checkout):
-    """Whether a file the diff changes exists in the checkout (a deepspeed checkout holds no accelerate file)."""
-    return any(os.path.exists(os.path.join(checkout, path)) for path in _paths(diff, existing=True))
 
 
 def _installed_file(path):
@@ -79,9 +75,10 @@ def _adds_all(diff, repo):
 
 
 def series(diffs, out):
-    """Write `diffs` (paths of one project's diffs, in order) as a `git am` series into `out`: each made on top of
-    the ones before it, against the installed files. Returns the paths written; raises ValueError when a diff does
-    not apply to the installed files or two diffs change the same lines differently."""
+    """Write `diffs` (paths of one project's diffs, in order) as a `git am` series into `out`, each under its own
+    file name (so the series sorts as given): each made on top of the ones before it, against the installed files.
+    Returns the paths written; raises ValueError when a diff does not apply to the installed files or two diffs
+    change the same lines differently."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as work:
@@ -133,61 +130,137 @@ def series(diffs, out):
                 body = f.read()
             _git(repo, "add", "-A")
             _git(repo, "commit", "-q", "-m", f"{subject}\n\n{body}")
-        os.makedirs(out, exist_ok=True)
-        written = _git(repo, "format-patch", "-o", os.path.abspath(out), "HEAD~" + str(len(diffs)))
+        written = _git(repo, "format-patch", "-o", os.path.join(work, "series"), "HEAD~" + str(len(diffs)))
         if written.returncode:
             raise ValueError(written.stderr.strip())
-        return written.stdout.splitlines()  # the files it wrote (not others an earlier export left in `out`)
+        os.makedirs(out, exist_ok=True)
+        paths = []
+        for made, diff in zip(written.stdout.splitlines(), diffs):
+            paths.append(os.path.join(out, os.path.basename(diff)))
+            shutil.copyfile(made, paths[-1])
+        return paths
 
 
-def main(argv=None, prog="python -m dspatch.export"):
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
-    parser.add_argument("--out", help="directory to write the .patch files into")
+def arguments(parser):
+    parser.add_argument("--out", metavar="DIR", help="folder to write the .patch files into (new or empty, or one an "
+                        "earlier export wrote: its files are replaced)")
     parser.add_argument("--all", action="store_true", help="every band of every patch, not only what applies here")
     parser.add_argument("--check-against", metavar="CHECKOUT",
-                        help="run `git apply --check` of the chosen diffs in this upstream checkout, a line each")
-    args = parser.parse_args(argv)
+                        help="`git apply --check` each chosen diff in this upstream checkout (or a site-packages), a "
+                        "line each")
+    return parser
+
+
+MARK = ".dspatch-export"  # in --out: the files dspatch wrote there, which a later export may replace
+
+
+def _make_room(out, names):
+    """Prepare `out` for the files `names` (paths relative to it): refuse a folder holding .patch files dspatch did
+    not write (git am would take them too); remove those an earlier export wrote. Returns how many it removed."""
+    mark = os.path.join(out, MARK)
+    ours = set()
+    if os.path.isfile(mark):
+        with open(mark, encoding="utf-8") as f:
+            ours = {line.strip() for line in f if line.strip()}
+    projects = {name.split("/")[0] for name in names}
+    present = [os.path.relpath(os.path.join(root, name), out).replace(os.sep, "/")
+               for project in projects for root, _, files in os.walk(os.path.join(out, project))
+               for name in files if name.endswith(".patch")]
+    foreign = sorted(set(present) - ours)
+    if foreign:
+        raise ValueError(f"{out} already holds {len(foreign)} .patch file{'s' * (len(foreign) > 1)} dspatch did not "
+                         f"write ({foreign[0]}{', ...' if len(foreign) > 1 else ''}), which `git am` would take too: "
+                         f"give a new or empty folder")
+    for name in present:
+        os.remove(os.path.join(out, name))
+    return len(present)
+
+
+def _record(out, names):
+    os.makedirs(out, exist_ok=True)
+    mark = os.path.join(out, MARK)
+    kept = set()
+    if os.path.isfile(mark):
+        with open(mark, encoding="utf-8") as f:
+            kept = {line.strip() for line in f if line.strip()}
+    kept = {name for name in kept if os.path.exists(os.path.join(out, name))} | set(names)
+    with open(mark, "w", encoding="utf-8") as f:
+        f.write("".join(f"{name}\n" for name in sorted(kept)))
+
+
+def _strip(diff, checkout):
+    """The -p level at which the diff's files are in `checkout`: 1 for an upstream checkout, 2 for a folder that
+    holds the packages themselves (a site-packages: `src/accelerate/...` is `accelerate/...` there); None: neither."""
+    paths = _paths(diff, existing=True)
+    if any(os.path.exists(os.path.join(checkout, path)) for path in paths):
+        return 1
+    inner = [path.split("/", 1)[1] for path in paths if path.startswith("src/")]
+    if any(os.path.exists(os.path.join(checkout, path)) for path in inner):
+        return 2
+    return None
+
+
+def command(args, prog="dspatch export"):
     if not args.out and not args.check_against:
-        parser.error("give --out DIR, --check-against CHECKOUT, or both")
-    chosen = list(_chosen(args.all))
+        print(f"usage: {prog} (--out DIR | --check-against CHECKOUT) [--all]\n{prog}: give --out DIR, "
+              f"--check-against CHECKOUT, or both", file=sys.stderr)
+        return 2
+    from dspatch import registry
+
+    try:
+        chosen = list(_chosen(args.all))
+    except registry.SelectionError as e:
+        print(f"dspatch: {e}; nothing is applied", file=sys.stderr)
+        return 2
     if not chosen:
         print("dspatch: no patch applies to this environment, so there is no diff for it; --all gives every diff",
               file=sys.stderr)
         return 1
     failed = 0
+    if args.out:
+        names = sorted({relative for _, relative in chosen})
+        try:
+            replaced = _make_room(args.out, names)
+        except (ValueError, OSError) as e:
+            print(f"dspatch: {e}", file=sys.stderr)
+            return 2
+        if replaced:
+            print(f"(replaced the {replaced} files of an earlier dspatch export in {args.out})")
     if args.out and args.all:
-        for row, relative in chosen:
+        for relative in names:
             target = os.path.join(args.out, relative)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copyfile(os.path.join(data_dir("upstream_prs"), relative), target)
-            print(f"{row.patch.id}: {target}")
+            print(target)
+        _record(args.out, names)
     elif args.out:
         projects = {}
         for row, relative in chosen:
-            projects.setdefault(relative.split("/")[0], []).append((row, relative))
-        for project, items in projects.items():
+            projects.setdefault(relative.split("/")[0], set()).add(relative)
+        for project, relatives in projects.items():
             # sorted and once each: patches that share one upstream change (trl's DPO and KTO halves) share its diff
-            diffs = [os.path.join(data_dir("upstream_prs"), relative) for relative in sorted({r for _, r in items})]
+            ordered = sorted(relatives)
+            diffs = [os.path.join(data_dir("upstream_prs"), relative) for relative in ordered]
             try:
                 written = series(diffs, os.path.join(args.out, project))
             except (ValueError, OSError) as e:
                 print(f"dspatch: {project}: {e}", file=sys.stderr)
                 failed += 1
                 continue
-            for path in written:
+            for path in written:  # the names upstream_prs/ gives them, which sort in the series' order
                 print(path)
+            _record(args.out, ordered)
             print(f"  (`git am {os.path.join(args.out, project)}/*.patch` in a {project} checkout of the installed "
                   "release)")
     if args.check_against:
         checked = 0
         for row, relative in chosen:
             source = os.path.join(data_dir("upstream_prs"), relative)
-            if not _touches(source, args.check_against):
+            level = _strip(source, args.check_against)
+            if level is None:
                 continue
             checked += 1
-            proc = subprocess.run(["git", "apply", "--check", source], cwd=args.check_against,
+            proc = subprocess.run(["git", "apply", "--check", f"-p{level}", source], cwd=args.check_against,
                                   capture_output=True, text=True)
             ok = proc.returncode == 0
             failed += not ok
@@ -195,10 +268,20 @@ def main(argv=None, prog="python -m dspatch.export"):
             print(f"{row.patch.id}: {relative}: {'applies' if ok else 'does not apply'}{why}")
         if not checked:
             print(f"dspatch: none of the diffs' files is in {args.check_against}: give an upstream checkout "
-                  f"(deepspeed, accelerate, transformers or trl) of the installed release", file=sys.stderr)
+                  f"(deepspeed, accelerate, transformers or trl) of the installed release, or its site-packages",
+                  file=sys.stderr)
             return 1
     return 1 if failed else 0
 
 
+def main(argv=None, prog="python -m dspatch.export"):
+    parser = arguments(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+                                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                                               epilog="\n".join(__doc__.splitlines()[2:])))
+    return command(parser.parse_args(argv), prog)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspatch import term
+
+    term.exit_with(main)

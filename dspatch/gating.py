@@ -21,7 +21,7 @@ BROKEN = "broken install"
 
 
 class Row:
-    """One patch's line of `--check`: `found` (its Verdict in this environment), and what decides in the end:
+    """One patch's row of `dspatch check`: `found` (its Verdict in this environment), and what decides in the end:
     `verdict` and `reason` (this process's state, the selection, or `found`'s), `disabled_by` (why the selection
     leaves it out, or None)."""
 
@@ -85,7 +85,7 @@ class Verdict:
     "build fix", "build number", "version", "files", "absent") against `bound` (the range, release or requirement
     it compared with), having seen `seen` ({distribution: version} of the other packages the bug needs, or
     {"files": path}) and `mismatch` (why the source is not one the patch knows). `reason` is the sentence every
-    output shows; `--check`'s short column, its JSON and `explain` read the fields, never the sentence."""
+    output shows; `dspatch check`'s short column, its JSON and `explain` read the fields, never the sentence."""
 
     __slots__ = ("patch", "verdict", "version", "rule", "bound", "seen", "mismatch", "plain")
 

@@ -1,8 +1,7 @@
 """Known bugs of these packages that dspatch does not patch (yet): declared as data, with their ranges, the release
 that fixes them and what to do meanwhile, so that `dspatch check` (this environment) and `dspatch audit` (a lock or
 requirements file) name them where the versions have them. Facts: upstream's PRs and issues, each read against the
-released sources (UPSTREAM.md section 8 in the project's notes); the ranges are those of upstream's code, proven on
-CPU where the note says so.
+released sources; the ranges are those of upstream's code, proven on CPU where the note says so.
 
 When a patch for one of them lands, its entry goes (tests/test_audit.py checks that no id is both).
 """
@@ -43,9 +42,27 @@ def in_range(item, version):
     return not (item.fixed_in and release >= Version(item.fixed_in)) and SpecifierSet(item.affected).contains(release)
 
 
-DS = "https://github.com/deepspeedai/DeepSpeed/pull/"
-
 KNOWN = (
+    Known("deepspeed/branch-around-engine-ga", "deepspeed", ">=0.18.3,<0.19.6", "0.19.6",
+          effect=("with gradient accumulation, a loss with a branch around engine.forward (engine(x) + "
+                  "engine.module(y)) trains that branch GA times too fast, silently"),
+          advice=("call the engine for every use of the model, or upgrade to 0.19.6; deepspeed/output-hooks-gas-per-"
+                  "tensor does not cover this shape"),
+          links=("https://github.com/deepspeedai/DeepSpeed/issues/8224",
+                 "https://github.com/deepspeedai/DeepSpeed/pull/8245"),
+          note=("measured on 0.18.3 and 0.19.2 at GA 2 (every ZeRO stage, fp32 and bf16, one rank or two): the "
+                "branch around the engine counts exactly GA times; right on 0.19.8")),
+    Known("deepspeed/zero0-bf16-checkpoint", "deepspeed", ">=0.17.6,<0.18.5", "0.18.5",
+          effect=("bf16 at ZeRO stage 0: save_checkpoint leaves the optimizer's state out, and a resumed run restarts "
+                  "Adam: step count and moments anew (0.18.0-0.18.4, silently); on 0.17.6 load_checkpoint raises "
+                  "AttributeError 'dp_process_group'"),
+          advice=("upgrade to 0.18.5, or resume with ZeRO stage 1 or 2 (their checkpoints hold the optimizer's "
+                  "state); a weights-only resume is right"),
+          links=("https://github.com/deepspeedai/DeepSpeed/pull/7786",),
+          note=("measured on 0.18.2 and 0.18.3 (bf16, stage 0, AdamW, the client's and the config's): after "
+                "save_checkpoint at step 2 and load_checkpoint, Adam's step count is the new engine's own; the "
+                "resumed weights are 0.05 off the uninterrupted run's. 0.17.6 read from its source: its "
+                "load_checkpoint takes the ZeRO path for bf16")),
 )
 
 

@@ -31,17 +31,36 @@ class SelectionError(ValueError):
     pass
 
 
-def short(value, limit=80):
+def short(value, limit=60):
     """A user's value as echoed in a message: repr, cut to `limit` characters."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(value)} characters)"
 
 
+HOW = "`dspatch check` lists the ids"
+
+
+def closest(token, known=None):
+    """The known id a mistyped one most likely meant, or None."""
+    known = list(all_patches()) if known is None else list(known)
+    starting = [pid for pid in known if pid.startswith(token)]
+    if starting:
+        return starting[0]
+    import difflib  # only on this error's path
+
+    found = difflib.get_close_matches(token, known, n=1, cutoff=0.6)
+    if not found:  # a name typed without its package: deepspeed/zero3-module-id for zero3-moduleid
+        names = {pid.split("/", 1)[-1]: pid for pid in known}
+        found = [names[n] for n in difflib.get_close_matches(token.split("/")[-1], list(names), n=1, cutoff=0.6)]
+    return found[0] if found else None
+
+
 def _resolve_tokens(tokens, source, empty_ok=False):
+    """The ids `tokens` select. A SelectionError's message is one short line: the value, the unknown id, the id it
+    most likely meant, where the ids are listed (never the list itself: it grows with every patch)."""
     known = all_patches()
     if not tokens and not empty_ok:
-        raise SelectionError(f"{source} names no patch; known ids: {', '.join(known)} "
-                             f"(or a prefix such as 'deepspeed', or 1 for all)")
+        raise SelectionError(f"{source} names no patch ({HOW})")
     chosen = []
     for token in tokens:
         if token.lower() in ON_WORDS:
@@ -50,10 +69,10 @@ def _resolve_tokens(tokens, source, empty_ok=False):
         # an id, or a prefix of ids ending at a "/" (e.g. "deepspeed" selects every deepspeed/... patch)
         hits = [pid for pid in known if pid == token or pid.startswith(token.rstrip("/") + "/")]
         if not hits:
-            what = "is an unknown patch id" if len(tokens) == 1 else f"names unknown patch id {short(token)}"
-            raise SelectionError(
-                f"{source} {what}; known ids: {', '.join(known)} "
-                f"(or a prefix such as 'deepspeed', or 1 for all)")
+            what = "is an unknown patch id" if len(tokens) == 1 else f"names an unknown patch id {short(token, 60)}"
+            guess = closest(token, known)
+            hint = f" (did you mean {guess}?)" if guess else f" ({HOW})"
+            raise SelectionError(f"{source} {what}{hint}")
         chosen.extend(hits)
     return chosen
 
@@ -89,6 +108,14 @@ def selection(ids=None, environ=None, source="dspatch.apply()"):
         elif pid not in wanted:
             left_out[pid] = "not selected by DSPATCH" if ids is None else "not selected"
     return chosen, left_out
+
+
+def named(environ=None):
+    """The ids DSPATCH names one by one (not through 1 or a prefix): a user who names a patch wants to hear when it
+    does not apply."""
+    env = os.environ if environ is None else environ
+    known = all_patches()
+    return [token for token in split(env.get("DSPATCH", "")) if token in known]
 
 
 def active(environ=None):

@@ -119,6 +119,11 @@ class Patch:
     - `signatures`: how a log shows this bug on stock upstream (Signature objects; see there), for
       `python -m dspatch.explain LOG`. Match the bug's own words and the frames that tell it from other failures
       with the same words: a wrong name sends a user to a fix for a bug they do not have.
+    - `cause`: what goes wrong on stock upstream, in one sentence (the first line of `explain` and `check -v`; the
+      `summary` says what the patch does about it).
+    - `canary`: for a silent bug, the shapes of divergence `dspatch canary` tells (dspatch.canary.verdict's codes:
+      "divided_twice", "not_divided", "last_only", "middle_dropped", "piled_up", "windows", "lr_groups", "clipping",
+      "nan", "grad_norm", "update"): a divergence of one of them names the patch as a candidate.
     - `symptom`: what a user sees on stock upstream, in a few words (the error's own text where there is one; for a
       silent bug, the wrong result): the README's short table shows it beside the patch id.
     - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the
@@ -129,7 +134,7 @@ class Patch:
 
     def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
                  diffs=None, in_use=None, fixed_marker=None, note="", requires=None, renamed=None, signatures=(),
-                 reproducers=None, symptom=""):
+                 reproducers=None, symptom="", cause="", canary=()):
         self.id = id
         self.summary = summary
         self.distribution = distribution
@@ -152,7 +157,11 @@ class Patch:
         self.requires = dict(requires or {})
         self.renamed = renamed
         self.signatures = tuple(signatures)
+        if not all(isinstance(s, Signature) for s in self.signatures):
+            raise TypeError(f"{id}: signatures must be Signature objects (dspatch.spec.Signature)")
         self.symptom = symptom
+        self.cause = cause
+        self.canary = tuple(canary)
 
     def _reproducers(self):
         import importlib

@@ -6,15 +6,22 @@ import sys
 from dspatch import gating, registry
 
 
-def check_all(ids=None, environ=None, source="dspatch.apply()"):
-    """Rows for every registered patch: environment verdict, then selection, then in-process state."""
+def check_all(ids=None, environ=None, source="dspatch.apply()", refused=False):
+    """Rows for every registered patch: environment verdict, then selection, then in-process state.
+
+    A malformed selection raises SelectionError; with `refused`, it is reported instead, as the runtime acts on it:
+    every patch left out, the message as the reason (nothing is applied while it stands)."""
     patches = registry.all_patches()
     env = os.environ if environ is None else environ
     active = ids is not None or registry.active(env)
+    left_out = {}
     if active:
-        _, left_out = registry.selection(ids, env, source)
-    else:
-        left_out = {}
+        try:
+            _, left_out = registry.selection(ids, env, source)
+        except registry.SelectionError as e:
+            if not refused:
+                raise
+            left_out = dict.fromkeys(patches, f"{e}: nothing is applied")
     rows = []
     runtime = sys.modules.get("dspatch._runtime")  # not loaded: this process has applied nothing
     for pid, patch in patches.items():
@@ -35,8 +42,8 @@ def brief(row, limit=72):
     the verdict's fields."""
     patch, verdict, found = row.patch, row.verdict, row.found
     if verdict == gating.APPLIES:
-        where = "open upstream" if not patch.fixed_in else f"{patch.distribution}{patch.affected}"
-        return ", ".join([f"has the bug ({where})", *[f"with {other} {seen}" for other, seen in found.seen.items()]])
+        where = f"fixed upstream in {patch.fixed_in}" if patch.fixed_in else "open upstream"
+        return ", ".join([where, *[f"with {other} {seen}" for other, seen in found.seen.items()]])
     if verdict == gating.APPLIED:
         return "applied in this process"
     if verdict == gating.FIXED_UPSTREAM and found.rule == "release":
@@ -45,7 +52,7 @@ def brief(row, limit=72):
         (seen,) = found.seen.values()
         return f"needs {found.bound} ({seen or 'none'} here)"
     if verdict == gating.NOT_AFFECTED:
-        return f"the bug is in {patch.affected} only"
+        return f"the bug is in {patch.affected}"
     if verdict == gating.UNSUPPORTED:
         return f"written for {patch.supported} only"
     if verdict == gating.DISABLED:

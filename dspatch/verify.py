@@ -96,7 +96,9 @@ def main(argv=None):
 
     patch = registry.all_patches().get(args.patch_id)
     if patch is None:
-        parser.error(f"unknown patch id {args.patch_id!r}; known ids: {', '.join(registry.all_patches())}")
+        guess = registry.closest(args.patch_id)
+        parser.error(f"unknown patch id {registry.short(args.patch_id)}"
+                     f"{f' (did you mean {guess}?)' if guess else ''}; `dspatch check` lists the ids")
     if args.leave_out_each:
         print(json.dumps({"left_out": leave_out_each(patch)}), flush=True)
         leave_distributed()

@@ -43,4 +43,13 @@ MODULES = (
     "deepspeed.zero3_allreduce_fetch_padding",
     "deepspeed.zero3_lora_mixed_dtype_allgather",
     "deepspeed.zero3_moe_leaf_modules",
+    "transformers.deepspeed_max_grad_norm",
+    "accelerate.skip_first_batches_epoch",
+    "accelerate.cpu_multi_process",
+    "transformers.classification_heads_grad_accum",
+    "transformers.deepspeed_warmup_zero",
+    "accelerate.deepspeed_warmup_zero",
+    "deepspeed.zero3_gather_handle_waited_once",
+    "deepspeed.unfused_optimizer_init_step",
+    "deepspeed.zero12_backward_twice",
 )

@@ -66,7 +66,9 @@ _START_ENV = dict(os.environ)
 
 def clean_env(**extra):
     """The test run's starting environment without any DSPATCH* variable, plus `extra`."""
-    env = {k: v for k, v in _START_ENV.items() if not k.startswith(("DSPATCH", "PYTEST_"))}  # (xdist's differ per worker)
+    # (xdist's differ per worker; the terminal's width and colour settings are each test's own to give)
+    env = {k: v for k, v in _START_ENV.items() if not k.startswith(("DSPATCH", "PYTEST_"))
+           and k not in ("COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR")}
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -1,7 +1,7 @@
 """The recipes users run, one cell at a time: `python tests/recipes.py RECIPE STAGE` runs RECIPE (the Trainer, trl's
 trainers, a custom accelerate loop) at ZeRO STAGE for two steps on a tiny Llama, 1 CPU rank, and prints one line
 `R {json}`: {"status": "ok" or "ExceptionType: message", "losses": the logged losses, "weights": a sha256 of the
-weights after training (gathered), "extra": what the recipe measures besides}. tests/test_no_harm.py runs every cell
+weights after training (gathered), "extra": what the recipe measures besides}. tests/test_no_harm_trainer.py and tests/test_no_harm_trl.py run every cell
 stock and with DSPATCH=1 and compares.
 
 Each recipe adapts to the trl of the stack where its API moved (0.11's `tokenizer=` and config names); a recipe a

@@ -145,7 +145,7 @@ print("R " + json.dumps(results))
     result, _ = _report(code, env=clean_env(DSPATCH="1,typo", DSPATCH_STRICT="1"))
     assert len(result) == 2
     for said in result:
-        assert said.startswith("PatchError: dspatch: DSPATCH='1,typo' names unknown patch id 'typo'"), said
+        assert said.startswith("PatchError: dspatch: DSPATCH='1,typo' names an unknown patch id 'typo'"), said
 
 
 FINDER_AHEAD = r'''

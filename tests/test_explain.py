@@ -155,11 +155,15 @@ def test_the_log_names_the_bug_and_says_what_to_do():
     proc = _run(FROZEN)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout.splitlines()
-    assert out[0].startswith("deepspeed/frozen-param-names: ")
+    patch = registry.all_patches()["deepspeed/frozen-param-names"]
+    assert out[0] == f"{patch.cause} (deepspeed/frozen-param-names)"  # what went wrong first
     assert out[1] == "  seen at line 4: ValueError: failed to find frozen Parameter containing:"
     assert out[2] == "  certain"  # the message alone is this bug's (no other cause gives it)
-    assert out[3].startswith("  here: not installed (deepspeed is not installed)")
-    assert out[4] == "  do: open upstream, see https://github.com/deepspeedai/DeepSpeed/issues/6620"
+    assert out[3] == f"  fix: {patch.summary}"
+    assert out[4].startswith("  here: not installed (deepspeed is not installed)")
+    # nothing installed here, no version in the log: the patch fixes the job where its bug is
+    assert out[5] == ("  do: where the job ran a deepspeed with the bug (every release), "
+                      "DSPATCH=deepspeed/frozen-param-names (or DSPATCH=1) on every rank fixes it there")
 
 
 def test_json_output_and_a_noisy_interleaved_log():
@@ -174,7 +178,7 @@ def test_json_output_and_a_noisy_interleaved_log():
 def test_a_log_with_no_known_bug_says_so_and_exits_1():
     proc = _run("step 1 loss 2.3\nRuntimeError: CUDA out of memory\n")
     assert proc.returncode == 1 and proc.stdout.startswith("No known bug found in 2 lines of standard input.")
-    assert "deepspeed/frozen-param-names" in proc.stdout
+    assert "dspatch check -v" in proc.stdout
 
 
 def test_nothing_in_the_log_is_executed(tmp_path):
@@ -188,7 +192,8 @@ def test_nothing_in_the_log_is_executed(tmp_path):
 def test_unreadable_log_is_one_line_and_exit_2(tmp_path):
     proc = run_python(["-m", "dspatch.explain", str(tmp_path / "missing.log")], check=False)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"dspatch.explain: cannot read {tmp_path / 'missing.log'}: No such file or directory"
+    assert proc.stderr.strip() == f"python -m dspatch.explain: cannot read {tmp_path / 'missing.log'}: No such file or " \
+                                  "directory"
 
 
 def test_empty_input_and_binary_garbage_are_read_not_crashed_on(tmp_path):
@@ -196,7 +201,7 @@ def test_empty_input_and_binary_garbage_are_read_not_crashed_on(tmp_path):
     log = tmp_path / "job.log"
     log.write_bytes(b"\xff\xc3\x01 garbage\n\x1b[1mValueError: failed to find frozen x\xff\n")  # not UTF-8
     proc = run_python(["-m", "dspatch.explain", str(log)], check=False)
-    assert proc.returncode == 0 and proc.stdout.startswith("deepspeed/frozen-param-names: "), proc.stderr
+    assert proc.returncode == 0 and "(deepspeed/frozen-param-names)" in proc.stdout.splitlines()[0], proc.stderr
 
 
 def test_every_signature_compiles():

@@ -86,7 +86,7 @@ def test_explain_names_the_bug_from_the_stock_traceback(pid):
         assert not named.keys() - {pid}, (named, log[-3000:])
         found = named.get(pid) or offered.get(pid)
         assert found and found["verdict"] == gating.APPLIES, (report, log[-3000:])
-        assert found["do"].startswith("set DSPATCH=1")
+        assert found["do"].startswith(f"set DSPATCH={pid} (or DSPATCH=1)"), found["do"]
 
 
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))

@@ -94,8 +94,8 @@ def _be_python(request, out_fd, err_fd):
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # as the interpreter ends on an uncaught exception: through sys.excepthook
+        sys.excepthook(*sys.exc_info())
         code = 1
     try:
         atexit._run_exitfuncs()

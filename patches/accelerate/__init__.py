@@ -1,1 +1,1 @@
-"""Patches for huggingface/accelerate (none yet)."""
+"""Patches for huggingface/accelerate (one module each; registered in patches/__init__.py)."""

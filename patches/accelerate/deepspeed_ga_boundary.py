@@ -77,6 +77,8 @@ PATCH = Patch(
     id="accelerate/deepspeed-ga-boundary",
     summary=("accelerate + DeepSpeed under accelerator.accumulate: DeepSpeed steps where accelerate's accumulation "
              "ends, so windows no longer straddle epochs and the last partial window is applied (silent)"),
+    cause="DeepSpeed counts its own accumulation steps and ignores where accelerate's windows end",
+    canary=('windows',),
     symptom="accumulation windows silently straddle epochs; the last partial one is never applied",
     distribution="accelerate",
     affected="<1.8.0",

@@ -54,7 +54,7 @@ from dspatch.spec import Patch, Signature
 ACCELERATOR = "accelerate.accelerator"
 NO_SYNC = "Accelerator.no_sync"
 
-# The released source of the target (tests/test_gating_deepspeed_no_sync.py recomputes it from every sdist):
+# The released source of the target (tests/test_releases.py recomputes it from every sdist):
 # unchanged from 0.20.0 to 1.8.1; 1.9.0 is upstream's fix.
 FINGERPRINTS = {(ACCELERATOR, NO_SYNC): {"3c6094b633f6a292": "0.20.0-1.8.1"}}
 
@@ -92,6 +92,7 @@ PATCH = Patch(
     id="accelerate/deepspeed-no-sync",
     summary=("Gradient accumulation at ZeRO-2/3 (accelerate's accumulate/no_sync, the Trainer) no longer fails on "
              "deepspeed >= 0.16's no_sync assertion"),
+    cause="accelerate enters DeepSpeed's `no_sync` while accumulating, which deepspeed >= 0.16 refuses at ZeRO-2/3",
     symptom="`AssertionError: no_sync context manager is incompatible with gradient partitioning logic`",
     distribution="accelerate",
     affected="<1.9.0",

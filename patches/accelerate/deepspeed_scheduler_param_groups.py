@@ -29,7 +29,7 @@ PID = "accelerate/deepspeed-scheduler-param-groups"
 MODULE = "accelerate.accelerator"
 QUALNAME = "Accelerator._prepare_deepspeed"
 
-# every release 0.34.0-1.15.0 (tests/test_gating_accelerate_scheduler_param_groups.py recomputes them)
+# every release 0.34.0-1.15.0 (tests/test_releases.py recomputes them)
 FINGERPRINTS = {
     "1d49bcac810166d4": "0.34.0-0.34.2", "23ef336f9b8dadce": "1.0.0-1.0.1", "c7be814f177e6676": "1.1.0-1.1.1",
     "594e9ce52cf1f586": "1.2.0-1.3.0", "964e2e06fe6b9e01": "1.4.0", "b89b980a86ecf24d": "1.5.0-1.5.2",
@@ -65,6 +65,8 @@ PATCH = Patch(
     id=PID,
     summary=("Accelerator.prepare with DeepSpeed and a torch LR scheduler: the scheduler follows the param groups "
              "DeepSpeed kept (no zip() ValueError, no learning rate shifted to another group)"),
+    cause=("accelerate keeps the torch scheduler on the optimizer's original param groups after DeepSpeed "
+           "dropped some"),
     symptom="`ValueError: zip() argument 2 is longer than argument 1`; older torch: shifted LRs",
     distribution="accelerate",
     affected=">=0",  # open upstream: the fingerprints decide

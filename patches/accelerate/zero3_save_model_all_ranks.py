@@ -44,6 +44,7 @@ PATCH = Patch(
     id="accelerate/zero3-save-model-all-ranks",
     summary=("Accelerator.save_model at ZeRO-3 returns on every rank (the main one writes) instead of "
              "`'NoneType' object has no attribute 'items'` on all others"),
+    cause="At ZeRO-3 `Accelerator.save_model` reads a state dict that only the main rank has",
     symptom="`AttributeError: 'NoneType' object has no attribute 'items'` on every rank but the main one",
     distribution="accelerate",
     affected=">=0.21.0,<1.1.0",

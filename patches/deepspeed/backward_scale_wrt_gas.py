@@ -49,6 +49,8 @@ PATCH = Patch(
     id="deepspeed/backward-scale-wrt-gas",
     summary=("engine.backward(loss, scale_wrt_gas=False), as every Trainer with gradient accumulation calls it, no "
              "longer divides the gradient by GA (silent)"),
+    cause="`engine.backward(loss, scale_wrt_gas=False)` still divides the gradient by GA",
+    canary=('divided_twice',),
     symptom="gradients silently GA times too small in every Trainer run with accumulation",
     distribution="deepspeed",
     affected=">=0.18.3,<0.18.4",

@@ -88,6 +88,7 @@ PATCH = Patch(
     id="deepspeed/checkpoint-weights-only",
     summary=("DeepSpeed cannot load its own checkpoints on torch >= 2.6 (weights_only default); its loaders "
              "pass weights_only=False as upstream does since 0.16.0"),
+    cause="torch >= 2.6 loads weights-only by default, and DeepSpeed's checkpoint loaders hold more than weights",
     symptom="`UnpicklingError: Weights only load failed` in `engine.load_checkpoint` (torch >= 2.6)",
     distribution="deepspeed",
     affected="<=0.15.4",

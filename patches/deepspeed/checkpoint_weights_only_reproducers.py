@@ -18,7 +18,7 @@ def _engine(stage, **config):
     deepspeed = init_deepspeed()
     if not _warm:
         # deepspeed <= 0.16.x: the first engine built in a process trains slightly differently from every later
-        # one (UPSTREAM.md section 6); build it once and never compare it
+        # one (an upstream fact, seen here on CPU); build it once and never compare it
         _warm.append(True)
         _engine(stage, **config)
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ GETATTR = "DeepSpeedEngine.__getattr__"
 ENGINE_METHODS = ("set_batch_fn|train_batch|eval_batch|set_dataloader|set_dataiterator|is_first_stage|is_last_stage|"
                   "no_sync")
 
-# Bands of released source (tests/test_gating_engine_module_hint.py recomputes them from every sdist):
+# Bands of released source (tests/test_releases.py recomputes them from every sdist):
 # 0.14.0-0.14.2 also handle a CompiledModuleWrapper (second message), 0.14.3 dropped that, and 0.19.6
 # (PR 8288) rewrote the lookup as `super().__getattr__` + `getattr(module, name)`. Same final message in all.
 FINGERPRINTS = {
@@ -81,6 +81,7 @@ def apply(txn):
 PATCH = Patch(
     id="deepspeed/engine-module-hint",
     summary="AttributeError on a DeepSpeed engine (`engine.model`) says the wrapped model is `engine.module`",
+    cause="A DeepSpeed engine keeps the model as `engine.module`; `engine.model` fails without saying so",
     symptom="`AttributeError: 'DeepSpeedEngine' object has no attribute 'model'`, no hint where it is",
     distribution="deepspeed",
     affected=">=0",  # every release: the bug is open upstream (no fixed_in), so the fingerprints decide

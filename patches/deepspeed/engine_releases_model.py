@@ -95,6 +95,7 @@ PATCH = Patch(
     id="deepspeed/engine-releases-model",
     summary=("A DeepSpeed engine dropped without destroy() frees its model: the debug name maps of "
              "deepspeed/utils/debug.py no longer keep the last model alive"),
+    cause="DeepSpeed's debug name maps keep a reference to the last engine's model",
     symptom="a dropped engine's model stays in memory unless `destroy()` was called",
     distribution="deepspeed",
     affected="<0.19.7",

@@ -46,7 +46,7 @@ FROZEN = "DeepSpeedEngine._get_zero_frozen_param_attributes"
 SHAPES = "DeepSpeedEngine._get_zero_param_shapes"
 LOAD = "DeepSpeedEngine.load_module_state_dict"
 
-# Bands of released source (tests/test_gating_frozen_param_names.py recomputes them from every sdist)
+# Bands of released source (tests/test_releases.py recomputes them from every sdist)
 FINGERPRINTS = {
     (ENGINE, FROZEN): {"f8648b2df42741a6": "0.14.0-0.19.7", "7601ced6e8d95847": "0.19.8"},
     (ENGINE, SHAPES): {"0bb52408fd2b44fc": "0.14.0-0.17.4", "a4faa6cfee2f790a": "0.17.5-0.19.8"},
@@ -115,6 +115,7 @@ def apply(txn):
 PATCH = Patch(
     id="deepspeed/frozen-param-names",
     summary="ZeRO-2/3 save/load after a parameter object was replaced (accelerate dispatch): names looked up at use",
+    cause="ZeRO-2/3 keep the parameter objects seen at initialize and cannot name one that was replaced since",
     symptom="`ValueError: failed to find frozen Parameter containing: ... in named params` at save/load",
     distribution="deepspeed",
     affected=">=0",  # open upstream: no fixed release, the fingerprints decide

@@ -73,6 +73,8 @@ PATCH = Patch(
     id="deepspeed/grad-accum-scale-no-allreduce",
     summary=("micro-steps inside engine.no_sync() (accelerate's accumulate at ZeRO-0/1) and pipeline steps divide the "
              "loss by the gradient accumulation steps again (silent)"),
+    cause="Micro-steps in `no_sync()` and pipeline steps divide the loss by GA a second time",
+    canary=('not_divided', 'scaled'),
     symptom="gradients silently GA times too big in `no_sync` micro-steps (ZeRO-0/1) and pipelines",
     distribution="deepspeed",
     affected=">=0.16.0,<0.18.3",

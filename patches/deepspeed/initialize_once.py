@@ -72,7 +72,7 @@ from dspatch.spec import Patch
 INIT = ("deepspeed", "initialize")
 DESTROY = ("deepspeed.runtime.engine", "DeepSpeedEngine.destroy")
 
-# every release 0.14.0-0.19.8 (tests/test_gating_initialize_once.py recomputes them from the sdists)
+# every release 0.14.0-0.19.8 (tests/test_releases.py recomputes them from the sdists)
 FINGERPRINTS = {
     INIT: {"aa0062168c52732e": "0.14.0", "f586614c862a60da": "0.14.1-0.14.5", "64d29b1daff4230e": "0.15.0-0.17.5",
            "4c161e7ef684c323": "0.17.6-0.18.5", "148baa742917d32c": "0.18.6-0.19.2",
@@ -296,6 +296,8 @@ PATCH = Patch(
     id=PID,
     summary=("A second deepspeed.initialize on a model/optimizer a live engine holds is refused before it "
              "corrupts that engine (ZeRO-2 hooks, ZeRO-3 partitions, optimizer groups); harmless reuse warns once"),
+    cause=("A second `deepspeed.initialize` on a model or optimizer a live engine holds rewires them under the "
+           "first engine"),
     symptom="the first engine breaks: `no attribute 'ipg_index'`, `has already been reduced`, `KeyError`",
     distribution="deepspeed",
     affected=">=0",  # open upstream in every release: the fingerprints decide

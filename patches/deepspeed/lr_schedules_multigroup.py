@@ -63,6 +63,8 @@ PATCH = Patch(
     id="deepspeed/lr-schedules-multigroup",
     summary=("DeepSpeed's WarmupLR (without warmup_max_lr) and WarmupCosineLR give each param group its own "
              "learning rate (silent)"),
+    cause="WarmupLR and WarmupCosineLR compute one learning rate and give it to every param group",
+    canary=('lr_groups', 'lr'),
     symptom="WarmupLR/WarmupCosineLR: param groups with different rates silently get wrong ones",
     distribution="deepspeed",
     affected="<0.19.4",

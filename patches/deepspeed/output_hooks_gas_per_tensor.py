@@ -24,7 +24,14 @@ forward decides again. Where the output holds a single tensor (the loss alone, o
 outside), or tensors side by side (heads a loss outside reads), nothing changes: each hook divides once, as it should,
 and the numbers stay stock's to the bit. Left as on stock: a direct `loss.backward()` without `engine.backward` (as
 0.19.6 leaves it), and a loss whose graph runs through another engine's output (a GAN's generator step through the
-discriminator engine), which 0.19.6's graph tracking covers and a per-engine decision cannot.
+discriminator engine), which 0.19.6's graph tracking covers and a per-engine decision cannot; and DeepSpeed issue
+8224's shape, which PR 8245 fixed too: a loss with a branch around `engine.forward` (`engine(x) +
+engine.module(y)`, or the model called through the engine and beside it). There the engine returns one tensor, so
+nothing is nested and stock's per-tensor division runs: the engine's branch is divided by GA, the branch around it
+not at all, GA times too large (measured on 0.18.3 and 0.19.2 at GA 2, every ZeRO stage, fp32 and bf16, one rank or
+two: the update 37% off plain torch's, the same with this patch; right on 0.19.8). Dividing the loss in every
+`engine.backward`, as 0.19.6 does, would cover it at the cost of stock's bits where nothing is nested and GA is not a
+power of two: left, and said here.
 
 Proven by numbers on deepspeed 0.18.3 (its own session, `ds0183`, with the mid stack's other pins): at accumulation 3,
 two SGD steps of the raw engine loop (ZeRO-1 and ZeRO-2) and of a custom accelerate loop equal plain torch (relative
@@ -141,6 +148,8 @@ PATCH = Patch(
     id="deepspeed/output-hooks-gas-per-tensor",
     summary=("engine.backward(out.loss) with gradient accumulation divides the gradient by GA once, not once per "
              "output tensor on the loss's graph (GA^2 for a model returning loss and logits; silent)"),
+    cause="DeepSpeed's output hooks divide the gradient by GA once per output tensor, not once per backward",
+    canary=('divided_twice',),
     symptom="gradients silently GA times too small: `engine.backward(out.loss)` with accumulation",
     distribution="deepspeed",
     affected=">=0.18.3,<0.19.6",
@@ -148,7 +157,7 @@ PATCH = Patch(
     supported=">=0.18.3",
     targets=FINGERPRINTS,
     apply=apply,
-    links=("https://github.com/deepspeedai/DeepSpeed/pull/8245", "https://github.com/deepspeedai/DeepSpeed/issues/8224",
+    links=("https://github.com/deepspeedai/DeepSpeed/pull/8245",
            "https://github.com/deepspeedai/DeepSpeed/pull/7665"),
     diffs={">=0.18.3,<=0.19.5": "deepspeed/0014-output-hooks-gas-per-tensor-0.18.3-0.19.5.patch"},
     fixed_marker=(ENGINE, "_EngineBackwardGraphTracker"),  # 0.19.6's: backward marks the graph it divided

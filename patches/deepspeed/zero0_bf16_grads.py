@@ -98,6 +98,9 @@ PATCH = Patch(
     id="deepspeed/zero0-bf16-grads",
     summary=("bf16 at ZeRO stage 0 clears the gradients after each step and (0.18.3-0.18.5) does not divide them by "
              "a loss scale bf16 never applied (silent)"),
+    cause=("bf16 at ZeRO-0 runs an optimizer that never clears the gradients it applied (and divides by an "
+           "unused loss scale)"),
+    canary=('piled_up', 'grad_norm', 'update'),
     symptom="bf16 at ZeRO-0: gradients silently pile up over steps (0.18.3+: also / 65536)",
     distribution="deepspeed",
     affected=">=0.17.6,<0.18.6",

@@ -47,6 +47,8 @@ PATCH = Patch(
     id="deepspeed/zero2-grad-accum-last-microbatch",
     summary=("ZeRO-2 with gradient accumulation trains on every micro-batch's gradient, not only on the last of "
              "each window (silent)"),
+    cause="ZeRO-2 replaces the accumulated gradient with each micro-batch's instead of adding it",
+    canary=('last_only',),
     symptom="only the last micro-batch of each accumulation window silently trains (ZeRO-2)",
     distribution="deepspeed",
     affected=">=0.17.6,<0.18.3",

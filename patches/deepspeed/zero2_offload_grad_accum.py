@@ -54,6 +54,8 @@ PATCH = Patch(
     id="deepspeed/zero2-offload-grad-accum",
     summary=("ZeRO-2 with the optimizer offloaded to the CPU and gradient accumulation >= 3 trains on every "
              "micro-batch's gradient, not only on the first and last of each window (silent)"),
+    cause="ZeRO-2 with CPU offload overwrites the accumulated gradient with each middle micro-batch's",
+    canary=('middle_dropped',),
     symptom="each accumulation window's middle micro-batches silently left out of the gradient",
     distribution="deepspeed",
     affected=">=0.15.2,<0.19.0",

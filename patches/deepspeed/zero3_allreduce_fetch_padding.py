@@ -59,6 +59,8 @@ PATCH = Patch(
     id="deepspeed/zero3-allreduce-fetch-padding",
     summary=("ZeRO-3's all-reduce fetch (stage3_use_all_reduce_for_fetch_params) no longer sums a partition's "
              "padding into the next parameter, and runs on 0.16.3-0.17.2"),
+    cause="The all-reduce fetch places parameters by unpadded length, summing one rank's padding into the next weight",
+    canary=('nan',),
     symptom="`stage3_use_all_reduce_for_fetch_params`: inf/NaN loss, or a `handle_dependency` TypeError",
     distribution="deepspeed",
     affected=">=0.14.3,<0.19.4",  # the option came with 0.14.3

@@ -46,7 +46,7 @@ FSDP = r"fully_sharded_data_parallel|torch[/\\]distributed[/\\]fsdp|\bFSDP"
 OFFLOAD = "deepspeed.runtime.zero.parameter_offload"
 FORWARD_RELEASE = "DeepSpeedZeRoOffload.post_sub_module_forward_function"
 
-# The forward-release hook's released source, by band (tests/test_gating_zero3_frozen_checkpointing.py
+# The forward-release hook's released source, by band (tests/test_releases.py
 # recomputes them from every sdist).
 FINGERPRINTS = {"7afccceb166e3708": "0.14.0-0.15.3", "d7a3471a831c5bc1": "0.15.4-0.16.3",
                 "1d6b2192d969f6cb": "0.16.4-0.16.9", "a476dcf9d180069b": "0.17.0-0.18.0",
@@ -106,6 +106,7 @@ PATCH = Patch(
     id="deepspeed/zero3-frozen-checkpointing",
     summary=("ZeRO-3 + frozen weights (LoRA) + non-reentrant gradient checkpointing: CheckpointError (a frozen weight "
              "seen with shape [0]); frozen weights stay gathered through the recompute, as upstream since 0.19.3"),
+    cause="ZeRO-3 releases frozen weights before non-reentrant checkpointing recomputes with them",
     symptom="`CheckpointError: Recomputed values ... have different metadata` (frozen weight, shape [0])",
     distribution="deepspeed",
     affected="<0.19.3",

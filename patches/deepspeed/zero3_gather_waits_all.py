@@ -46,6 +46,7 @@ PATCH = Patch(
     id="deepspeed/zero3-gather-waits-all",
     summary=("ZeRO-3 on the CPU (gloo): GatheredParameters over several parameters waits for every all-gather, "
              "not only the last, before they are read"),
+    cause="On gloo, `GatheredParameters` over several parameters waits for the last all-gather only",
     symptom="CPU/gloo: gathered weights silently read as zeros or another weight's values",
     distribution="deepspeed",
     affected="<0.19.8",

@@ -50,6 +50,7 @@ PATCH = Patch(
     id="deepspeed/zero3-lora-mixed-dtype-allgather",
     summary=("ZeRO-3 gathers persistent parameters of different dtypes (LoRA's fp32 adapters on a bf16 base) into "
              "buffers of their own dtype"),
+    cause="ZeRO-3 gathers parameters of several dtypes into buffers of the first one's dtype",
     symptom="ZeRO-3 LoRA in bf16: `TypeError: output tensor must have the same type as input tensor`",
     distribution="deepspeed",
     affected="==0.19.2",

@@ -35,7 +35,7 @@ COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
 REGISTER = "DeepSpeedZeRoOffload._register_hooks_recursively"
 
 # Every function that reads or writes a module's `.id`, and the fingerprint of its source in the releases
-# it was written for (tests/test_gating_releases.py recomputes them from every release).
+# it was written for (tests/test_releases.py recomputes them from every release).
 FINGERPRINTS = {
     (OFFLOAD, REGISTER): {"beb1744112358e8d": "0.14.0-0.15.4", "90264bf624e8b96e": "0.16.0-0.16.3"},
     (OFFLOAD, "DeepSpeedZeRoOffload.post_sub_module_forward_function"): {
@@ -119,6 +119,8 @@ def zero3_engines_alive():
 PATCH = Patch(
     id="deepspeed/zero3-module-id",
     summary="ZeRO-3 overwrites a user's module.id; DeepSpeed's counter moves to ds_id (upstream name since 0.16.4)",
+    cause=("ZeRO-3 numbers every module in `module.id`, overwriting a model's own `id` attribute and breaking "
+           "code that reads it"),
     symptom="`IndexError: pop from an empty deque`; a model's own `module.id` overwritten",
     distribution="deepspeed",
     affected="<=0.16.3",

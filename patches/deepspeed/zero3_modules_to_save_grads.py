@@ -50,6 +50,7 @@ PATCH = Patch(
     id="deepspeed/zero3-modules-to-save-grads",
     summary=("LoRA with modules_to_save (lm_head, embed_tokens, a SEQ_CLS head) trains at ZeRO-3: no "
              "`'Linear' object has no attribute 'ds_grads_remaining'`"),
+    cause="ZeRO-3 hooks miss the trainable copies PEFT makes for `modules_to_save`",
     symptom="`AttributeError: 'Linear' object has no attribute 'ds_grads_remaining'` at the first step",
     distribution="deepspeed",
     affected=">=0.16.5,<0.19.3",

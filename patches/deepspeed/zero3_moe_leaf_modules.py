@@ -122,6 +122,8 @@ PATCH = Patch(
     id="deepspeed/zero3-moe-leaf-modules",
     summary=("ZeRO-3 makes the sparse mixture-of-experts blocks of transformers 4.36-4.57 leaf modules where the user "
              "set none, so ranks routing tokens to different experts do not hang"),
+    cause=("Ranks that route tokens to different experts fetch different ZeRO-3 parameters, and their "
+           "collectives never meet"),
     symptom="ZeRO-3, Mixtral/Qwen-MoE/Jamba and more on transformers 4.36-4.57: the first forward hangs",
     distribution="deepspeed",
     affected=">=0",

@@ -69,6 +69,7 @@ PATCH = Patch(
     id="deepspeed/zero3-trace-invalidation",
     summary=("ZeRO-3 training goes on after generation that removed and re-registered its hooks (trl GRPO/PPO/RLOO/"
              "online DPO/GKD, deepspeed's unwrap_model_for_generation): no `IndexError: pop from an empty deque`"),
+    cause="ZeRO-3 keeps its recorded module order after generation re-registered its hooks",
     symptom="`IndexError: pop from an empty deque` in the first training step after generation",
     distribution="deepspeed",
     affected=">=0.15.4,<0.19.2",

@@ -46,6 +46,7 @@ PATCH = Patch(
     id=PID,
     summary=("leaving zero.Init gives a class that only inherits __init__ (transformers 4.54+'s Generic* heads) "
              "no ancestor's __init__: later models of that class are built whole (no empty reward model)"),
+    cause="Leaving `zero.Init` restores an ancestor's `__init__` onto classes that only inherit it",
     symptom="models whose class only inherits `__init__` built empty; `list index out of range`",
     distribution="deepspeed",
     affected=">=0.15.1,<0.17.6",

@@ -82,6 +82,7 @@ PATCH = Patch(
     id="deepspeed/zero-to-fp32-tied-weights",
     summary=("zero_to_fp32 with safe_serialization writes a model with tied weights (embeddings / lm_head) instead "
              "of `RuntimeError: Some tensors share memory`"),
+    cause="`zero_to_fp32` saves tied weights as two tensors sharing memory, which safetensors refuses",
     symptom="`RuntimeError: Some tensors share memory`, no file written (tied embeddings / `lm_head`)",
     distribution="deepspeed",
     affected=">=0.15.3",  # open upstream (no fixed_in): the fingerprints decide for releases after 0.19.8

@@ -56,6 +56,8 @@ PATCH = Patch(
     id="transformers/deepspeed-grad-accum-scale",
     summary=("Trainer + DeepSpeed with gradient accumulation: gradients, grad_norm and updates are no longer "
              "divided by gradient_accumulation_steps twice (silently GA times too small)"),
+    cause="The Trainer divides the loss by gradient accumulation and DeepSpeed divides it again",
+    canary=('divided_twice',),
     symptom="gradients, `grad_norm` and updates silently divided by `gradient_accumulation_steps` twice",
     distribution="transformers",
     affected=">=4.46.2,<4.49.0",

@@ -57,6 +57,7 @@ PATCH = Patch(
     id="transformers/deepspeed-prefetch-bucket-int",
     summary=("The Trainer fills an \"auto\" ZeRO-3 stage3_prefetch_bucket_size with an int: the documented auto config "
              "starts on deepspeed >= 0.15 (no pydantic ValidationError)"),
+    cause='The Trainer fills an "auto" `stage3_prefetch_bucket_size` with a float that deepspeed >= 0.15 refuses',
     symptom="`ValidationError`: `stage3_prefetch_bucket_size` ... got a number with a fractional part",
     distribution="transformers",
     affected="<4.45.0",

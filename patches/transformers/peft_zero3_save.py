@@ -40,7 +40,7 @@ PEFT_AT_WORK = (r"[/\\]peft[/\\]|trainable params: [\d,]+ \|\| all params|adapte
 PID = "transformers/peft-zero3-save"
 TRAINER = "transformers.trainer"
 
-# Trainer.save_model as released (tests/test_gating_peft_zero3_save.py recomputes them from every sdist); the
+# Trainer.save_model as released (tests/test_releases.py recomputes them from every sdist); the
 # DeepSpeed branch the patch edits is the same in all of them, the bands differ elsewhere in the function
 FINGERPRINTS = {
     (TRAINER, "Trainer.save_model"): {"739c927f4e756a64": "4.44.0-4.52.4", "e9febda0d6908cd3": "4.53.0-4.54.0",
@@ -121,6 +121,8 @@ PATCH = Patch(
     id=PID,
     summary=("Trainer + PEFT at ZeRO-3 without stage3_gather_16bit_weights_on_model_save saves the trained adapter, "
              "not an empty 40-byte file (save_model and checkpoints); only trainable weights are gathered"),
+    cause=("At ZeRO-3 the Trainer saves the PEFT adapter from partitioned weights, which hold no data on the "
+           "rank"),
     symptom="`adapter_model.safetensors` of 40 bytes, no tensors: the trained adapter silently lost",
     distribution="transformers",
     affected="<5.0.0",

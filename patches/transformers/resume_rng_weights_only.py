@@ -54,6 +54,7 @@ PATCH = Patch(
     id=PID,
     summary=("resume_from_checkpoint works on torch >= 2.6: the Trainer's RNG state loads with the numpy globals "
              "it needs allowed, still weights-only (no `Weights only load failed` in _load_rng_state)"),
+    cause="torch >= 2.6 loads weights-only by default, and the Trainer's RNG state holds numpy objects",
     symptom="`UnpicklingError: Weights only load failed` in `_load_rng_state` on every resume",
     distribution="transformers",
     affected="<4.47.0",

@@ -45,7 +45,7 @@ PID = "transformers/trainer-scheduler-after-deepspeed"
 TRAINER = ("transformers.trainer", "Trainer._inner_training_loop")
 OPTIM_SCHED = ("transformers.integrations.deepspeed", "deepspeed_optim_sched")
 
-# every release 4.44.0-5.1.0 (tests/test_gating_trainer_scheduler_after_deepspeed.py recomputes them)
+# every release 4.44.0-5.1.0 (tests/test_releases.py recomputes them)
 FINGERPRINTS = {
     TRAINER: {"419064e85a84cdd2": "4.44.0-4.44.2", "f58cf18206848c07": "4.45.0-4.45.2", "973a19a66e71580d": "4.46.1",
               "517c903a761dd787": "4.46.2", "cabc488f69e433bb": "4.46.3", "7eb039186784bc2e": "4.47.0",
@@ -158,6 +158,7 @@ PATCH = Patch(
     id=PID,
     summary=("Trainer + DeepSpeed: the LR scheduler is built from the optimizer DeepSpeed finalised (empty param "
              "groups removed), as upstream since 5.1.0; 5.1.0's unprepared model fixed as in 5.2.0"),
+    cause="The Trainer builds its LR scheduler before DeepSpeed finalises the optimizer's param groups",
     symptom="`ValueError: zip() argument 2 is longer than argument 1` in `lr_scheduler.step()`",
     distribution="transformers",
     affected="<5.2.0",

@@ -151,6 +151,7 @@ PATCH = Patch(
     summary=("evaluate() before train(), and train() twice, under DeepSpeed train as one train() alone: the engine "
              "left behind is taken off the model and the shared DeepSpeed config restored (no `'NoneType' object "
              "has no attribute 'backward'`, no `total_num_steps=0`)"),
+    cause="An engine from `evaluate()` or an earlier `train()` stays on the model and its config",
     symptom="`'NoneType' object has no attribute 'backward'`, or `ds scheduler.params.total_num_steps=0`",
     distribution="transformers",
     affected=">=4.44.0",  # open upstream: the fingerprints decide

@@ -1,1 +1,1 @@
-"""Patches for huggingface/trl (none yet)."""
+"""Patches for huggingface/trl (one module each; registered in patches/__init__.py)."""

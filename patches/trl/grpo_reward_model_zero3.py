@@ -50,6 +50,7 @@ PATCH = Patch(
     id="trl/grpo-reward-model-zero3",
     summary=("GRPOTrainer under ZeRO-3 prepares a model given as a reward function with DeepSpeed, so its partitioned "
              "weights are gathered (no `Padding_idx must be within num_embeddings` / `'weight' must be 2-D`)"),
+    cause="GRPO runs a model given as a reward function on ZeRO-3 partitioned weights without gathering them",
     symptom="`Padding_idx must be within num_embeddings` or `'weight' must be 2-D` at the first reward",
     distribution="trl",
     affected=">=0.14.0,<0.17.0",

@@ -47,7 +47,7 @@ PPOV2 = "trl.trainer.ppov2_trainer"
 PPO = "trl.trainer.ppo_trainer"
 EXPERIMENTAL = "trl.experimental.ppo.ppo_trainer"
 
-# The released source of save_model in each band (tests/test_gating_ppo_deepspeed_save.py recomputes them from
+# The released source of save_model in each band (tests/test_releases.py recomputes them from
 # every sdist): 0.25.0 changed `Optional[str]` to `str | None`, 0.29.0 added `if hasattr(self.model, "policy")`.
 TARGETS = (
     Target(PPOV2, "PPOv2Trainer.save_model", {"054c3942bd1f272e": "0.11.0-0.11.4"}, releases=">=0.11.0,<0.12.0"),
@@ -115,6 +115,7 @@ def apply(txn):
 PATCH = Patch(
     id="trl/ppo-deepspeed-save",
     summary="PPO save_model and its checkpoints under DeepSpeed write the trained policy (gathered from the engine)",
+    cause="trl's PPO save reads DeepSpeed settings from an object that does not have them",
     symptom="`AttributeError: ... no attribute 'zero_gather_16bit_weights_on_model_save'` (or `'get'`)",
     distribution="trl",
     affected=">=0.11.0,<1.13.0",  # open upstream; 1.13.0 removed PPO; 0.10.x fails earlier (trl#2025)

@@ -78,6 +78,8 @@ PATCH = Patch(
     summary=("DPO with precompute_ref_log_probs under ZeRO-3: the reference pass's engine forgets its trace when the "
              "pass ends, so the training forward does not complete it with renumbered modules (no `pop from an "
              "empty deque`)"),
+    cause=("DPO's reference pass at ZeRO-3 leaves a recorded module order behind that the training forward "
+           "cannot follow"),
     symptom="`IndexError: pop from an empty deque` in the first training forward",
     distribution="trl",
     affected=">=1.9.0",  # open upstream: the fingerprints decide

@@ -32,7 +32,7 @@ from dspatch.spec import Patch, Signature
 UTILS = "trl.models.utils"
 OLD, NEW = "_register_hooks_recursively", "_register_deepspeed_module"
 
-# The released source of add_hooks in every trl release that has it (tests/test_gating_zero3_generation_hooks.py
+# The released source of add_hooks in every trl release that has it (tests/test_releases.py
 # recomputes them from every sdist); 0.15.0 added the "no optimizer yet" early return.
 FINGERPRINTS = {
     (UTILS, "add_hooks"): {"715953abba3e9aaa": "0.8.2-0.14.0", "a13a05d0629e166a": "0.15.0-0.15.2"},
@@ -67,6 +67,7 @@ PATCH = Patch(
     id="trl/zero3-generation-hooks",
     summary=("GRPO/PPO/RLOO/online DPO/GKD generation under ZeRO-3 fails with deepspeed >= 0.16.4 "
              "(_register_hooks_recursively renamed): trl puts the hooks back under the new name"),
+    cause="trl calls a ZeRO-3 method that deepspeed 0.16.4 renamed when it puts the hooks back after generation",
     symptom="`'DeepSpeedZeRoOffload' object has no attribute '_register_hooks_recursively'` at generation",
     distribution="trl",
     affected=">=0.8.2,<0.16.0",  # 0.8.2 introduced add_hooks; older releases never take the hooks off

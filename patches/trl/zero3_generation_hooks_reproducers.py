@@ -112,7 +112,7 @@ _warm = []
 
 def _warm_up():
     # deepspeed <= 0.16.x: the first engine of a process trains slightly differently from later ones
-    # (UPSTREAM.md section 6): build one that is never compared
+    # (an upstream fact, seen here on CPU): build one that is never compared
     if not _warm:
         _warm.append(True)
         accelerator, engine = _prepared()

@@ -1,0 +1,4 @@
+"""`python -m dspatch`: the `dspatch` command (dspatch.cli)."""
+from dspatch.cli import run
+
+run()

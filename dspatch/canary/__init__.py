@@ -1,0 +1,235 @@
+"""`dspatch canary CONFIG`: the user's DeepSpeed configuration trained on a tiny model, through DeepSpeed and through
+plain torch, compared step by step, so that a silent training bug shows before a run, named or not.
+
+    dspatch canary ds_config.json                          the raw engine loop (engine.backward/step)
+    dspatch canary ds_config.json --loop trainer --ga 4     the Trainer, its arguments from the options
+    dspatch canary ds_config.json --stock --json            also without dspatch; JSON for CI
+
+DeepSpeed trains in an interpreter of its own, with dspatch as the environment has it there (--stock: also one without
+it); the reference trains in this one (dspatch.canary.reference). Exit 0: DeepSpeed trained as plain torch does; 1: it
+diverged, or the run crashed (said, with the error); 2: bad input, or an option the reference does not model (said).
+"""
+import json
+import os
+import sys
+
+from dspatch.canary.plan import HEADS, LOOPS, MODELS, Unmodelled, build_plan, default_options, read
+
+
+def arguments(parser):
+    parser.add_argument("config", metavar="CONFIG", help="your DeepSpeed config (JSON); \"auto\" values are filled as "
+                        "the Trainer fills them, from the options")
+    parser.add_argument("--loop", choices=LOOPS, default="engine", help="the loop you train with: the raw engine "
+                        "(default), an accelerate loop under accumulate, or the Trainer")
+    parser.add_argument("--ranks", type=int, choices=(1, 2), default=1, help="1 (default) or 2 gloo/NCCL ranks "
+                        "(the engine loop)")
+    parser.add_argument("--steps", type=int, default=0, metavar="N", help="compare the first N optimizer steps only "
+                        "(default: all; the data is two epochs the accumulation does not divide)")
+    parser.add_argument("--group-lrs", metavar="LR,LR", default=None,
+                        help="two param groups (the output head its own) at these rates")
+    parser.add_argument("--ga", type=int, default=None, metavar="N",
+                        help="gradient accumulation where the config says auto or nothing (default 1)")
+    parser.add_argument("--micro-batch", type=int, default=1, metavar="N", help="where the config says auto (1)")
+    parser.add_argument("--lr", type=float, default=0.05, help="the learning rate where the config says auto (0.05)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="the Trainer's max_grad_norm (1.0, as TrainingArguments)")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="warmup steps (auto schedulers, the Trainer's)")
+    parser.add_argument("--scheduler", default="constant", help="the Trainer's lr_scheduler_type where the config "
+                        "has no scheduler block (constant)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 where the config says auto")
+    parser.add_argument("--model", choices=MODELS, default="llama", help="a tiny Llama (default) or a sparse "
+                        "mixture of experts (Mixtral)")
+    parser.add_argument("--head", choices=HEADS, default="causal", help="the Trainer's model head: causal LM "
+                        "(default), sequence or token classification")
+    parser.add_argument("--backwards", type=int, default=1, metavar="K",
+                        help="engine loop: K engine.backward() calls before each engine.step() (default 1)")
+    parser.add_argument("--stock", action="store_true", help="also run without dspatch, and report both")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where DeepSpeed trains: auto takes DS_ACCELERATOR, else CUDA when torch sees it")
+    return parser
+
+
+def _options(args):
+    rates = None
+    if args.group_lrs:
+        try:
+            rates = [float(r) for r in args.group_lrs.split(",")]
+        except ValueError:
+            raise Unmodelled(f"--group-lrs {args.group_lrs!r}: give two rates, as 0.01,0.001") from None
+        if len(rates) != 2:
+            raise Unmodelled(f"--group-lrs {args.group_lrs!r}: give two rates, as 0.01,0.001")
+        if args.loop == "trainer":
+            raise Unmodelled("--group-lrs with the Trainer is not modelled (its optimizer makes its own groups)")
+    if args.ranks == 2 and args.loop != "engine":
+        raise Unmodelled(f"--ranks 2 is modelled for the engine loop, not the {args.loop} loop")
+    if args.backwards > 1 and args.loop != "engine":
+        raise Unmodelled("--backwards is a raw engine loop's shape (several engine.backward() before a step)")
+    return default_options(loop=args.loop, ranks=args.ranks, steps=args.steps, group_lrs=rates,
+                           micro_batch=args.micro_batch, accumulation=args.ga or 1, lr=args.lr,
+                           max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps, scheduler=args.scheduler,
+                           precision="bf16" if args.bf16 else "fp32", model=args.model, head=args.head,
+                           backwards=args.backwards)
+
+
+def deepspeed_side(plans, env):
+    """The runner's records of DeepSpeed runs under `env` (one plan, or a list run in turn in one interpreter; two
+    ranks under torchrun where the plans say)."""
+    import subprocess
+    import tempfile
+
+    import torch
+
+    many = isinstance(plans, list)
+    ranks = (plans[0] if many else plans)["ranks"]
+    with tempfile.TemporaryDirectory(prefix="dspatch-canary-") as folder:
+        plan_path, out = os.path.join(folder, "plan.json"), os.path.join(folder, "record.pt")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            json.dump(plans, f)
+        if ranks > 1:
+            from dspatch.scenario import _free_port
+
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                       "--master_port", _free_port(), "-m", "dspatch.canary.runner", plan_path, out]
+        else:
+            command = [sys.executable, "-m", "dspatch.canary.runner", plan_path, out]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        if not os.path.exists(out):
+            failed = {"steps": [], "losses": [], "applied": [],
+                      "error": f"the DeepSpeed run exited {proc.returncode} without a record:\n{proc.stderr[-4000:]}"}
+            return [failed] * len(plans) if many else failed
+        return torch.load(out, weights_only=False)
+
+
+def environments(stock):
+    """[(label, env)] to run DeepSpeed under: the environment as it is, and without dspatch with --stock."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    label = f"DSPATCH={env['DSPATCH']}" if env.get("DSPATCH") else "DSPATCH unset (stock)"
+    runs = [(label, env)]
+    if stock and env.get("DSPATCH"):
+        runs.append(("DSPATCH unset (stock)", {k: v for k, v in env.items() if not k.startswith("DSPATCH")}))
+    return runs
+
+
+def judge(the_plan, got):
+    """The first divergence of one DeepSpeed record, or None, with the known bugs its shape names."""
+    from dspatch.canary import reference, verdict
+
+    if got.get("error"):
+        found = verdict.compare(the_plan, got, {"steps": [], "count": 0}, {})
+    else:
+        found = verdict.compare(the_plan, got, reference.replay(the_plan, got), reference.start(the_plan))
+    if found:
+        found["known"] = known_for(found, got)
+    return found
+
+
+def known_for(found, got):
+    """The patches whose bug shows in this shape ({id, verdict here, applied in the run}); for a crash, those explain
+    names in its error."""
+    from dspatch import gating, registry
+
+    patches = registry.all_patches()
+    if found["code"] == "crash":
+        from dspatch import explain
+
+        _, bugs, choices, _ = explain.explain(found.get("error", ""))
+        ids = [b["id"] for b in bugs] + [i for c in choices for i in c["ids"]]
+    else:
+        ids = [pid for pid, p in patches.items() if found["code"] in p.canary]
+    named = []
+    for pid in ids:
+        verdict = gating.evaluate(patches[pid]).verdict
+        named.append({"id": pid, "here": verdict, "applied": pid in got.get("applied", ()),
+                      "fixes": verdict == gating.APPLIES})
+    return named
+
+
+def describe(the_plan):
+    stage = the_plan["stage"]
+    bits = [f"{the_plan['loop']} loop", f"ZeRO-{stage}", f"GA {the_plan['accumulation']}", the_plan["precision"],
+            f"{the_plan['ranks']} rank{'s' * (the_plan['ranks'] > 1)}"]
+    if the_plan["offloaded"]:
+        bits.append("optimizer offloaded to the CPU")
+    if len(the_plan["lrs"]) > 1:
+        bits.append(f"param groups at {', '.join(str(r) for r in the_plan['lrs'])}")
+    if the_plan["backwards"] > 1:
+        bits.append(f"{the_plan['backwards']} backwards a step")
+    return ", ".join(bits)
+
+
+def _lines(config_path, the_plan, results, tol):
+    out = [f"dspatch canary {config_path}: {describe(the_plan)}; {the_plan['epochs']} epochs of "
+           f"{the_plan['per_epoch']} micro-batches"]
+    for label, found, applied in results:
+        out.append(f"{label}{f' ({len(applied)} patches applied in the run)' if applied else ''}:")
+        if found is None:
+            out.append(f"  trains as plain torch: every step's rates, gradient, update and reported norm within {tol:g}")
+            continue
+        out.append(f"  {'CRASHED' if found['code'] == 'crash' else 'DIVERGES'} at optimizer step {found['step']} "
+                   f"({found['what']}): {found['words']}")
+        if found["code"] == "crash":
+            out += ["    " + line for line in found.get("error", "").strip().splitlines()[-6:]]
+        if found["known"]:
+            for bug in found["known"]:
+                state = ("applied in this run, and it still diverges: please report it" if bug["applied"] else
+                         "DSPATCH=1 fixes it here" if bug["fixes"] else f"{bug['here']} here")
+                out.append(f"  a known bug of this shape: {bug['id']} ({state})")
+        else:
+            out.append("  no known bug has this shape: a new bug, or something the reference does not model (say so "
+                       "in an issue, with this output)")
+    return out
+
+
+def command(args, prog="dspatch canary"):
+    from dspatch import term
+    from dspatch.canary import verdict
+
+    from dspatch.upstream import installed_version
+
+    missing = [name for name in ("torch", "deepspeed", "transformers") if not installed_version(name)]
+    if missing:
+        print(f"{prog}: {', '.join(missing)} not installed for {sys.executable}: run it with the training "
+              f"environment's Python", file=sys.stderr)
+        return 2
+    try:
+        config = read(args.config)
+        options = _options(args)
+        the_plan = build_plan(config, options)
+    except Unmodelled as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" or (args.device == "auto" and os.environ.get("DS_ACCELERATOR") == "cuda"):
+        print(f"{prog}: a GPU run is not modelled yet (the reference runs on the CPU): --device cpu", file=sys.stderr)
+        return 2
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import dspatch
+
+    dspatch.revert()  # the reference is plain torch: no patch in this process (DeepSpeed runs in its own)
+    from dspatch.canary.runner import UNMODELLED
+
+    results = []
+    for label, env in environments(args.stock):
+        got = deepspeed_side(the_plan, env)
+        if UNMODELLED in (got.get("error") or ""):
+            print(f"{prog}: {got['error'].split(UNMODELLED, 1)[1].splitlines()[0]}", file=sys.stderr)
+            return 2
+        results.append((label, judge(the_plan, got), got.get("applied", [])))
+    tol = verdict.tolerance(the_plan)
+    status = 1 if results[0][1] else 0
+    if args.json:
+        print(json.dumps({"config": args.config, "plan": {k: v for k, v in the_plan.items() if k != "config"},
+                          "tolerance": tol, "exit": status,
+                          "runs": [{"environment": label, "applied": applied, "divergence": found}
+                                   for label, found, applied in results]}, indent=1, default=str))
+    else:
+        term.out(_lines(args.config, the_plan, results, tol))
+    return status
+
+
+def main(argv=None, prog="python -m dspatch.canary"):
+    import argparse
+
+    parser = arguments(argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0]))
+    return command(parser.parse_args(argv), prog)

@@ -1,0 +1,243 @@
+"""The DeepSpeed side of a canary run, in an interpreter of its own (dspatch as the environment has it there):
+
+    python -m dspatch.canary.runner PLAN.json OUT.pt
+
+trains the plan's model through DeepSpeed on the plan's loop (the raw engine, an accelerate loop, the Trainer) and
+writes, with torch.save, {"steps": [{"lrs", "gradient", "grad_norm", "weights"} per optimizer step], "losses": every
+micro-batch's, "error": None or what failed, "applied": the patches in force}. Each step is recorded where DeepSpeed
+takes it (a wrapper on DeepSpeedEngine.step, whichever loop calls it): the rates and the full gradient just before
+(DeepSpeed's safe_get_full_grad: ZeRO partitions gathered), the norm it reports and the fp32 weights after
+(safe_get_full_fp32_param: bf16's master copy).
+"""
+import json
+import sys
+import traceback
+
+
+def _masters(optimizer):
+    """{id(model parameter): its fp32 master} of an optimizer that keeps them in groups beside the model's (stage 0's
+    FP16_UnfusedOptimizer and FP16_Optimizer, bf16 or fp16), where DeepSpeed's accessors have no mapping."""
+    found = {}
+    for low, high in zip(getattr(optimizer, "fp16_groups", ()) or (), getattr(optimizer, "fp32_groups", ()) or ()):
+        for p, master in zip(low, high):
+            found[id(p)] = master
+    return found
+
+
+def _full(engine, what):
+    """{name: fp32 tensor} of every trainable parameter's full `what` ("weight": the fp32 value the optimizer holds;
+    "grad": the gradient it is about to apply), through DeepSpeed's own accessors (ZeRO partitions gathered)."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    masters = _masters(engine.optimizer) if what == "weight" else {}
+    found = {}
+    for name, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        try:
+            mapped = getattr(p, "_hp_mapping", None) is not None  # BF16_Optimizer and ZeRO-1/2: the fp32 copy's own
+            if what == "grad":
+                value = p.get_full_hp_grad() if mapped and hasattr(p, "get_full_hp_grad") else safe_get_full_grad(p)
+            else:
+                value = safe_get_full_fp32_param(p)
+        except Exception:  # no mapping kept on this path: the optimizer's master, or the parameter's own
+            value = None
+        if value is None:
+            value = (p.grad if what == "grad" else masters.get(id(p), p))
+        found[name] = None if value is None else value.detach().to(torch.float32).cpu().clone()
+    return found
+
+
+RECORDING = []  # the record the instrumented step writes to (the run in progress)
+UNMODELLED = "not modelled: "  # an error that says the run cannot be what the plan means (exit 2, not a crash)
+
+
+def instrument(record):
+    """Record each optimizer step DeepSpeed takes, whatever loop drives it: at a boundary, before the step, the rates
+    and the gradient it applies; after it, the reported gradient norm and the weights (into `record`, the run in
+    progress; the wrapper is installed once per process)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    RECORDING[:] = [record]
+    if getattr(DeepSpeedEngine.step, "dspatch_canary", False):
+        return
+    original = DeepSpeedEngine.step
+
+    def step(self, *args, **kwargs):
+        boundary = self.is_gradient_accumulation_boundary()
+        seen = ([g["lr"] for g in self.optimizer.param_groups], _full(self, "grad")) if boundary \
+            else None
+        before = self.global_steps
+        result = original(self, *args, **kwargs)
+        if seen and self.global_steps > before:
+            norm = self.get_global_grad_norm()
+            RECORDING[0].step(seen[0], seen[1], norm, _full(self, "weight"))
+        return result
+
+    step.dspatch_canary = True
+    DeepSpeedEngine.step = step
+
+
+def _engine_loop(plan, model, batches, record):
+    import deepspeed
+
+    from dspatch.canary.model import groups, optimizer_of
+
+    params = groups(model, plan["lrs"])
+    client = None if plan["config"].get("optimizer") else optimizer_of(plan, params)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=client, config=plan["config"])
+    per_step = plan["backwards"]
+    for _ in range(plan["epochs"]):
+        for start in range(0, len(batches), per_step):
+            for batch in batches[start:start + per_step]:
+                loss = engine(**_on(batch)).loss
+                engine.backward(loss)
+                record.loss(loss)
+            engine.step()
+    return engine
+
+
+def _on(batch):
+    from dspatch.scenario import on_accelerator
+
+    return {key: on_accelerator(value) for key, value in batch.items()}
+
+
+def _accelerate_loop(plan, model, batches, record):
+    import torch
+
+    from dspatch.canary.model import groups, optimizer_of
+    from dspatch.scenario import reset_accelerate
+
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+
+    reset_accelerate()
+    config = plan["config"]
+    accelerator = Accelerator(gradient_accumulation_steps=plan["accumulation"],
+                              deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    params = groups(model, plan["lrs"])
+    optimizer = DummyOptim(params, lr=plan["lrs"][0]) if config.get("optimizer") else optimizer_of(plan, params)
+    rows = [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(len(batch["labels"]))]
+    loader = torch.utils.data.DataLoader(rows, batch_size=plan["micro"], shuffle=False)
+    if config.get("scheduler"):
+        scheduler = DummyScheduler(optimizer, warmup_num_steps=max(1, plan["warmup_steps"]))
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        scheduler = None
+    for _ in range(plan["epochs"]):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                record.loss(loss)
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                optimizer.zero_grad()
+    reset_accelerate()
+    return model
+
+
+def _trainer_loop(plan, model, batches, record):
+    import tempfile
+
+    import torch
+
+    from dspatch.scenario import reset_accelerate
+
+    from transformers import Trainer, TrainingArguments
+
+    class InOrder(Trainer):  # the reference takes the rows in order: so does this Trainer
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    rows = [{key: value[i].tolist() for key, value in batch.items()} for batch in batches
+            for i in range(len(batch["labels"]))]
+    reset_accelerate()
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=plan["micro"],
+                                 gradient_accumulation_steps=plan["accumulation"], num_train_epochs=plan["epochs"],
+                                 learning_rate=plan["lrs"][0], lr_scheduler_type=plan["trainer_scheduler"],
+                                 warmup_steps=plan["warmup_steps"], max_grad_norm=plan["max_grad_norm"],
+                                 optim="adamw_torch", weight_decay=0.0, logging_steps=1, save_strategy="no",
+                                 report_to=[], deepspeed=plan["config"], bf16=plan["precision"] == "bf16",
+                                 # TrainingArguments refuses bf16 on the CPU unless told it is the CPU
+                                 use_cpu=plan["precision"] == "bf16" and plan["device"] == "cpu",
+                                 dataloader_num_workers=0, seed=0, data_seed=0, remove_unused_columns=False)
+        trainer = InOrder(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        if not record.steps:  # no DeepSpeedEngine stepped: the Trainer ran without it
+            raise RuntimeError(f"{UNMODELLED}the Trainer of this transformers trains without DeepSpeed here (bf16 on "
+                               "the CPU needs use_cpu, which it reads as no DeepSpeed)")
+    norms = [entry.get("grad_norm") for entry in trainer.state.log_history if "loss" in entry]
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    record.logged(norms, losses)
+    reset_accelerate()
+    return trainer
+
+
+class Record:
+    def __init__(self):
+        self.steps, self.losses, self.error = [], [], None
+
+    def loss(self, loss):
+        self.losses.append(loss.item())
+
+    def step(self, lrs, gradient, grad_norm, weights):
+        self.steps.append({"lrs": lrs, "gradient": gradient,
+                           "grad_norm": None if grad_norm is None else float(grad_norm), "weights": weights})
+
+    def logged(self, norms, losses):
+        for step, norm, loss in zip(self.steps, norms, losses):
+            step["logged_grad_norm"] = None if norm is None else float(norm)
+            step["logged_loss"] = float(loss)
+
+
+LOOPS = {"engine": _engine_loop, "accelerate": _accelerate_loop, "trainer": _trainer_loop}
+
+
+def run(plan):
+    """The record of one run of `plan` in this process."""
+    from dspatch.canary.model import build, micro_batches
+    from dspatch.scenario import init_deepspeed
+
+    import torch
+
+    record = Record()
+    try:
+        init_deepspeed()
+        instrument(record)
+        LOOPS[plan["loop"]](plan, build(plan), micro_batches(plan, torch.distributed.get_rank()), record)
+    except Exception as e:  # a run that crashes is reported as such, with the error, not as a divergence
+        record.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    return record
+
+
+def main(argv):
+    """One process: `python -m dspatch.canary.runner PLANS OUT`; the ranks of a job (under torchrun) alike, rank 0
+    writing OUT. PLANS holds one plan or a list of them (run in turn in this process: the tests' matrices); OUT gets
+    one record or the list."""
+    import torch
+
+    from dspatch import _runtime
+
+    with open(argv[0], encoding="utf-8") as f:
+        plans = json.load(f)
+    records = []
+    for one in plans if isinstance(plans, list) else [plans]:
+        record = run(one)
+        records.append({"steps": record.steps, "losses": record.losses, "error": record.error,
+                        "applied": _runtime.applied_ids()})
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        torch.save(records if isinstance(plans, list) else records[0], argv[1])
+    from dspatch.scenario import leave_distributed
+
+    leave_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""Comparing a DeepSpeed run with its plain-torch reference, step by step, and telling the shape of the first divergence:
+the rates of each param group, the gradient DeepSpeed applies, the norm it reports, the weights after.
+
+Tolerances (relative): fp32 1e-5, as the issue fixes it; bf16 derived in BF16 below.
+"""
+
+FP32 = 1e-5
+# bf16 (8 bits of mantissa): the model's forward and backward run in bf16 on both sides on the same bf16 weights, so
+# each micro-batch's gradient agrees to the bit where the weights do; what differs is where the sums of a window are
+# kept (DeepSpeed accumulates in fp32 on some paths, in bf16 on others) and the fp32 masters' copy back. One bf16
+# rounding of a sum is a relative error of at most 2^-9 per element, and a window of GA micro-batches rounds at most GA
+# times: GA * 2^-9 per element, so at most that over the norm. The bugs this tells from right are factors (1/GA, GA,
+# 65536) or whole micro-batches left out (>= 1/GA of the gradient): with GA <= 8, 8 * 2^-9 = 1.6% < 1/8 = 12.5%.
+BF16_PER_ROUNDING = 2.0 ** -9
+
+
+def tolerance(plan):
+    if plan["precision"] == "bf16":
+        return max(4 * BF16_PER_ROUNDING, plan["accumulation"] * plan["backwards"] * BF16_PER_ROUNDING)
+    return FP32
+
+
+def _flat(named, names):
+    import torch
+
+    return torch.cat([named[n].reshape(-1).double() for n in names])
+
+
+def _off(got, want):
+    """Relative distance of two vectors (inf where `got` is not finite)."""
+    import torch
+
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
+    scale = float(want.norm()) or 1.0
+    return float((got - want).norm()) / scale
+
+
+def gradient_shape(got, want, parts, earlier, ga, tol):
+    """What a gradient that differs from the reference's is, in words (and a code for the known bugs' matching)."""
+    import torch
+
+    if not bool(torch.isfinite(got).all()):
+        return "nan", "the gradient holds NaN or inf"
+    ratio = float(got.dot(want) / want.dot(want)) if float(want.norm()) else 0.0
+    if _off(got, ratio * want) <= max(tol, 1e-4) and ratio > 0:
+        for factor, code, words in ((1 / ga, "divided_twice", f"1/{ga} of the reference: divided by GA twice"),
+                                    (ga, "not_divided", f"{ga}x the reference: never divided by GA"),
+                                    (1 / 65536, "loss_scale", "1/65536 of the reference: divided by a loss scale")):
+            if ga > 1 and abs(ratio - factor) <= 1e-3 * factor or code == "loss_scale" and abs(ratio - factor) < 1e-8:
+                return code, words
+        return "scaled", f"{ratio:.4g}x the reference"
+    if len(parts) > 1:
+        last = parts[-1]
+        alone = ("only the last micro-batch of the window (divided by GA)" if ga > 1
+                 else "only the last backward's micro-batch: the step's earlier backwards dropped")
+        for scale, words in ((1.0, alone), (float(len(parts)), "only the last micro-batch of the window (undivided)")):
+            if _off(got, scale * last) <= max(tol, 1e-4):
+                return "last_only", words
+        ends = parts[0] + parts[-1]
+        if len(parts) > 2 and _off(got, ends) <= max(tol, 1e-4):
+            return "middle_dropped", "the first and last micro-batches only: the middle ones left out"
+    if earlier is not None and _off(got, want + earlier) <= max(tol, 1e-4):
+        return "piled_up", "the reference plus the earlier steps' gradients: gradients never cleared after a step"
+    return "other", f"{_off(got, want):.3g} of the reference's norm apart"
+
+
+def _rates_shape(got, want):
+    if len(want) > 1 and all(abs(g - got[0]) <= 1e-12 + 1e-9 * abs(got[0]) for g in got) and got[0] != want[1]:
+        return "lr_groups", "every param group at group 0's rate"
+    if all(abs(g - 0.001) <= 1e-12 for g in got):
+        return "lr_groups", "every param group at 0.001 (a default, not the optimizer's rate)"
+    return "lr", "rates " + ", ".join(f"{g:.6g}" for g in got) + " where the schedule gives " + \
+        ", ".join(f"{w:.6g}" for w in want)
+
+
+def _adam_second_step(plan):
+    """How far an Adam-like optimizer's first update moves, relative to its first, when it is taken as the second
+    (bias corrections of step 2 for moments of one gradient: sqrt(1 + beta2) / (1 + beta1)); None for other
+    optimizers."""
+    block = plan["config"].get("optimizer") or {"type": "AdamW", "params": {}}
+    if str(block.get("type", "")).lower() not in ("adam", "adamw"):
+        return None
+    beta1, beta2 = (block.get("params") or {}).get("betas", (0.9, 0.999))
+    return (1 + beta2) ** 0.5 / (1 + beta1)
+
+
+def compare(plan, got, want, start):
+    """The first divergence of the DeepSpeed record `got` from the reference's replay of it `want` (from the same
+    `start` weights), or None: {"step", "what", "code", "words"}."""
+    tol = tolerance(plan)
+    if got.get("error"):
+        return {"step": len(got["steps"]) + 1, "what": "crash", "code": "crash", "words": got["error"].splitlines()[0],
+                "error": got["error"]}
+    if len(got["steps"]) != want["count"]:
+        return {"step": min(len(got["steps"]), want["count"]) + 1, "what": "steps", "code": "windows",
+                "words": f"DeepSpeed took {len(got['steps'])} optimizer steps where the loop means {want['count']}: "
+                         f"its accumulation windows are not the loop's (epochs of {plan['per_epoch']} micro-batches "
+                         f"at accumulation {plan['accumulation']})"}
+    names = sorted(start)
+    limit = plan.get("steps") or len(want["steps"])
+    before, earlier = _flat(start, names), None
+    for number, (mine, theirs) in enumerate(zip(got["steps"][:limit], want["steps"][:limit]), 1):
+        rates, expected = [float(r) for r in mine["lrs"]], [float(r) for r in theirs["lrs"]]
+        if len(expected) == 1 and len(rates) > 1:  # the Trainer's own groups (decay and not), all at the one rate
+            expected = expected * len(rates)
+        if len(rates) != len(expected) or any(abs(a - b) > 1e-12 + 1e-6 * abs(b) for a, b in zip(rates, expected)):
+            code, words = _rates_shape(rates, expected)
+            return {"step": number, "what": "learning rate", "code": code, "words": words}
+        applied = _flat({n: (mine["gradient"].get(n) if mine["gradient"].get(n) is not None
+                             else theirs["gradient"][n] * 0) for n in names}, names)
+        wanted = _flat(theirs["gradient"], names)
+        if _off(applied, wanted) > tol:
+            parts = [_flat(part, names) for part in theirs["parts"]]
+            code, words = gradient_shape(applied, wanted, parts, earlier, plan["accumulation"], tol)
+            return {"step": number, "what": "gradient", "code": code, "words": f"the gradient is {words}"}
+        after, predicted = _flat(mine["weights"], names), _flat(theirs["weights"], names)
+        moved = after - before
+        if _off(moved, predicted - before) > tol:
+            ratio = float(moved.norm()) / (float((predicted - before).norm()) or 1.0)
+            words = f"the weights moved {ratio:.4g}x as far as the optimizer the config means moves them"
+            code = "update"
+            early = _adam_second_step(plan)
+            if number == 1 and early and abs(ratio - early) <= 1e-3:
+                code = "adam_step_early"
+                words += (" (as Adam's second step, not its first: the optimizer was stepped once before training, "
+                          "its step count off by one)")
+            elif theirs.get("clipped"):
+                code = "clipping"
+                words += (f" (it clips this step's gradient of norm {theirs['grad_norm']:.4g} to {theirs['clipped']}: "
+                          "DeepSpeed's clipping is another)")
+            return {"step": number, "what": "update", "code": code, "words": words}
+        reported = mine.get("grad_norm")
+        actual = theirs["grad_norm"]
+        if reported is not None and actual and abs(reported - actual) > max(tol, 1e-4) * actual:
+            return {"step": number, "what": "reported gradient norm", "code": "grad_norm",
+                    "words": f"the gradient norm DeepSpeed reports is {reported / actual:.4g}x the norm of the "
+                             f"gradient it applied ({reported:.6g} against {actual:.6g})"}
+        earlier = applied if earlier is None else earlier + applied
+        before = after
+    return None

@@ -1,0 +1,53 @@
+"""The quiet matrix of `dspatch canary` (issue 50): configurations where nothing is wrong, with every patch on, must
+train as plain torch does. Shared by tests/test_canary_quiet*.py (two files: pytest-xdist hands a file to one worker)."""
+import itertools
+import os
+
+from conftest import STACK, clean_env
+
+# every combination on latest; a sample elsewhere (the releases there are proven patch by patch)
+FULL = ("latest",)
+
+
+def configurations(loop):
+    """[(label, plan)] of the matrix: ZeRO 0-3 x GA 1/3 x fp32/bf16 x CPU offload (ZeRO 1-3) x clipping, for one loop
+    (a sample of it off the latest stack)."""
+    from dspatch.canary.plan import build_plan, default_options
+
+    found = []
+    for stage, ga, precision, offload, clip in itertools.product((0, 1, 2, 3), (1, 3), ("fp32", "bf16"),
+                                                                   (False, True), (False, True)):
+        if offload and stage == 0:
+            continue
+        if STACK not in FULL and not (ga == 3 and clip and not offload and stage in (0, 2)):
+            continue
+        config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+                  "gradient_accumulation_steps": "auto", "bf16": {"enabled": "auto"}}
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if loop != "trainer":
+            config["gradient_clipping"] = 0.5 if clip else 0.0
+        options = default_options(loop=loop, accumulation=ga, precision=precision, max_grad_norm=0.5 if clip else 0.0)
+        found.append((f"ZeRO-{stage} GA {ga} {precision}{' offload' if offload else ''}"
+                      f"{' clip' if clip else ''}", build_plan(config, options)))
+    return found
+
+
+def quiet(loop):
+    """Every configuration of the matrix trains, with DSPATCH=1, as plain torch (one DeepSpeed interpreter for all)."""
+    from dspatch.canary import deepspeed_side, judge
+
+    matrix = configurations(loop)
+    env = clean_env(DSPATCH="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    from dspatch.canary.runner import UNMODELLED
+
+    records = deepspeed_side([plan for _, plan in matrix], env)
+    # a configuration the stack cannot run as planned is said so by the canary (exit 2), not judged: only the
+    # Trainer in bf16 on the CPU before transformers runs DeepSpeed with use_cpu
+    unmodelled = [label for (label, _), record in zip(matrix, records) if UNMODELLED in (record["error"] or "")]
+    assert all(loop == "trainer" and "bf16" in label for label in unmodelled), unmodelled
+    loud = {label: judge(plan, record) for (label, plan), record in zip(matrix, records) if label not in unmodelled}
+    loud = {label: f"step {found['step']} ({found['what']}): {found['words'][:300]}"
+            for label, found in loud.items() if found}
+    assert not loud, loud
+    return len(matrix)
