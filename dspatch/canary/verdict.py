@@ -45,9 +45,13 @@ def gradient_shape(got, want, parts, earlier, ga, tol):
     ratio = float(got.dot(want) / want.dot(want)) if float(want.norm()) else 0.0
     if _off(got, ratio * want) <= max(tol, 1e-4) and ratio > 0:
         for factor, code, words in ((1 / ga, "divided_twice", f"1/{ga} of the reference: divided by GA twice"),
+                                    (1 / ga ** 2, "divided_twice", f"1/{ga * ga} of the reference: divided by GA three "
+                                     "times (two bugs at once)"),
                                     (ga, "not_divided", f"{ga}x the reference: never divided by GA"),
-                                    (1 / 65536, "loss_scale", "1/65536 of the reference: divided by a loss scale")):
-            if ga > 1 and abs(ratio - factor) <= 1e-3 * factor or code == "loss_scale" and abs(ratio - factor) < 1e-8:
+                                    (1 / 65536, "loss_scale", "1/65536 of the reference: divided by a loss scale"),
+                                    (65536, "loss_scale", "65536x the reference: multiplied by a loss scale (bf16 "
+                                     "needs none)")):
+            if (ga > 1 or code == "loss_scale") and abs(ratio - factor) <= 1e-3 * factor:
                 return code, words
         return "scaled", f"{ratio:.4g}x the reference"
     if len(parts) > 1:

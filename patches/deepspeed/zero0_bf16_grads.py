@@ -100,7 +100,7 @@ PATCH = Patch(
              "a loss scale bf16 never applied (silent)"),
     cause=("bf16 at ZeRO-0 runs an optimizer that never clears the gradients it applied (and divides by an "
            "unused loss scale)"),
-    canary=('piled_up', 'grad_norm', 'update'),
+    canary=('piled_up', 'grad_norm', 'update', 'loss_scale'),
     symptom="bf16 at ZeRO-0: gradients silently pile up over steps (0.18.3+: also / 65536)",
     distribution="deepspeed",
     affected=">=0.17.6,<0.18.6",
