@@ -64,6 +64,13 @@ def _stack_is_complete():
 _START_ENV = dict(os.environ)
 
 
+def nothing_to_prove():
+    """Where no patch applies to a stack session's releases, a proof fails instead of passing by skipping (issue 51):
+    a stack session exists to prove patches, and one that proves none has lost them (a pin or a verdict changed)."""
+    pytest.fail(f"no patch applies to this stack ({os.environ.get('DSPATCH_TEST_STACK') or 'unnamed'}): a stack "
+                "session that proves nothing has lost its patches (a changed pin, or a verdict gone wrong)")
+
+
 def clean_env(**extra):
     """The test run's starting environment without any DSPATCH* variable, plus `extra`."""
     # (xdist's differ per worker; the terminal's width and colour settings are each test's own to give)

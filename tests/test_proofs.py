@@ -24,7 +24,7 @@ from dspatch import gating, registry
 from dspatch import upstream
 from dspatch.versions import SpecifierSet, Version
 
-from conftest import clean_env, run_python, verify, verify_log
+from conftest import clean_env, nothing_to_prove, run_python, verify, verify_log
 
 pytestmark = pytest.mark.stack
 
@@ -38,7 +38,7 @@ def _ids(values):
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))
 def test_stock_fails_exactly_as_declared(pid):
     if pid == "none-applies-here":
-        pytest.skip("no patch applies to this stack")
+        nothing_to_prove()
     patch = registry.all_patches()[pid]
     results = verify(pid, clean_env())["results"]
     for name, fragment in patch.expected_on_stock.items():
@@ -66,7 +66,7 @@ def _noisy(log):
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))
 def test_explain_names_the_bug_from_the_stock_traceback(pid):
     if pid == "none-applies-here":
-        pytest.skip("no patch applies to this stack")
+        nothing_to_prove()
     patch = registry.all_patches()[pid]
     if patch.silent and not (patch.loud_on and SpecifierSet(patch.loud_on).contains(
             Version(upstream.installed_version(patch.distribution)).base_version)):
@@ -92,7 +92,7 @@ def test_explain_names_the_bug_from_the_stock_traceback(pid):
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))
 def test_every_target_is_necessary(pid):
     if pid == "none-applies-here":
-        pytest.skip("no patch applies to this stack")
+        nothing_to_prove()
     patch = registry.all_patches()[pid]
     # a patch whose own test proves more, in a process it shares with other checks (CI time): each target left out
     # fails the very reproducer that target is for, with the bug's own message
@@ -164,7 +164,7 @@ def drift_report(tmp_path_factory):
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))
 def test_every_targets_drift_is_caught_in_the_running_process(pid, drift_report):
     if pid == "none-applies-here":
-        pytest.skip("no patch applies to this stack")
+        nothing_to_prove()
     patch = registry.all_patches()[pid]
     report = drift_report[pid]
     for target in patch.targets:

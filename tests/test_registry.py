@@ -38,6 +38,19 @@ def test_every_patch_module_is_registered_and_complete():
             assert os.path.isfile(os.path.join(data_dir("upstream_prs"), diff)), diff
 
 
+def test_every_patched_package_is_watched():
+    """A patch whose modules live in a package the import hook does not watch would never apply (issue 51): the
+    watched packages must cover every target's top-level package, and the harness's copy (tests/warm.py, which must
+    not import dspatch) must equal the hook's."""
+    from dspatch import _hook
+
+    import warm
+
+    tops = {module.partition(".")[0] for patch in registry.all_patches().values() for module in patch.modules}
+    assert tops <= set(_hook.WATCHED), tops - set(_hook.WATCHED)
+    assert set(warm.WATCHED) == set(_hook.WATCHED)
+
+
 # What a reproducers module declares for dspatch.spec.Patch to read (see its docstring), and nothing else like it.
 DECLARED = {"SCENARIOS", "EXPECTED_ON_STOCK", "STOCK_FAILS_ON", "BAND_CHECK", "RELEASES_CHECKED",
             "OTHERS_WITH_AND_WITHOUT", "SILENT", "LOUD_ON", "NECESSITY_PROVEN_BY"}

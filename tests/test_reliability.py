@@ -14,7 +14,7 @@ import pytest
 
 from dspatch import gating, registry
 
-from conftest import clean_env, last_json, run_python
+from conftest import clean_env, last_json, nothing_to_prove, run_python
 
 pytestmark = pytest.mark.stack
 
@@ -173,7 +173,7 @@ REVERT_BEHAVIOUR = ("deepspeed/engine-module-hint", "deepspeed/initialize-once",
 
 def test_revert_mid_process_gives_back_stock_behaviour_for_every_patch():
     if not APPLICABLE:
-        pytest.skip("no patch applies to this stack")
+        nothing_to_prove()
     behaviour = [pid for pid in REVERT_BEHAVIOUR if pid in APPLICABLE]
     out = last_json(run_python(["-c", REVERT, ",".join(behaviour), *APPLICABLE], env=clean_env(), warm="stack"))
     patches = registry.all_patches()
@@ -237,7 +237,7 @@ print(json.dumps(result))
 
 def test_a_fault_in_any_patchs_apply_leaves_nothing_of_it_and_the_import_working():
     if not APPLICABLE:
-        pytest.skip("no patch applies to this stack")
+        nothing_to_prove()
     proc = run_python(["-c", FAULT, *APPLICABLE], env=clean_env(), warm="stack")
     out = last_json(proc)
     for pid in APPLICABLE:
@@ -275,7 +275,7 @@ print(json.dumps({"errors": errors, "applied": _runtime.applied_ids(),
 
 def test_targets_imported_from_two_threads_at_once_are_patched_exactly_once():
     if not APPLICABLE:
-        pytest.skip("no patch applies to this stack")
+        nothing_to_prove()
     patches = registry.all_patches()
     modules = sorted({m for pid in APPLICABLE for m in patches[pid].modules})
     proc = run_python(["-c", THREADS, *modules], env=clean_env(DSPATCH="1"), warm="base")
