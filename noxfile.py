@@ -1,6 +1,7 @@
 """Test matrix over real upstream stacks (deepspeed + transformers + accelerate + trl, torch 2.13 CPU), plus a torch-free unit session.
 
-    nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 + ds0183 + ds0182 (what CI runs)
+    nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 + ds0183 + ds0182 + ds0192 +
+                        ds0198 (what CI runs)
     nox -s demo         build the old stack, a tiny ZeRO-3 job stock vs DSPATCH=1, and `dspatch check`
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
