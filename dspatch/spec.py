@@ -22,7 +22,7 @@ class Target:
 
 
 class Signature:
-    """How a log shows one bug, for `python -m dspatch.explain` (dspatch/explain.py reads these).
+    """How a log shows one bug, for `python -m dspatch.explain` (dspatch/explain/ reads these).
 
     - `message`: regular expression searched in the message of the error (or the warning) the bug produces on stock
       upstream. A message the log wraps over lines, or puts under an empty `SomeError:` line, is read joined.

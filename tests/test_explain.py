@@ -7,6 +7,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from dspatch import explain, registry
+from dspatch.explain import logfile, match, patterns
 from dspatch.spec import Signature
 
 from conftest import clean_env, run_python
@@ -96,7 +97,7 @@ def test_versions_printed_in_the_log_rule_causes_out(monkeypatch):
     old = Fake("old", Signature("pop from an empty deque", error="IndexError"), affected="<=0.16.3")
     new = Fake("new", Signature("pop from an empty deque", error="IndexError"), affected=">=0.15.4,<0.19.2")
     error = "IndexError: pop from an empty deque"
-    monkeypatch.setattr(explain, "_environment_versions", lambda names: {})
+    monkeypatch.setattr(match, "_environment_versions", lambda names: {})
     assert _found(f"- DeepSpeed version: 0.17.0\n{error}", old, new) == (["new"], [])
     assert _found(f"deepspeed==0.14.4\n{error}", old, new) == (["old"], [])
     assert _found(f"[2025-01-01] DeepSpeed info: version=0.19.5, git-hash=unknown\n{error}", old, new) == ([], [])
@@ -104,7 +105,7 @@ def test_versions_printed_in_the_log_rule_causes_out(monkeypatch):
         ([], [["old", "new"]])
     assert explain.log_versions(["deepspeed 0.16.0", "deepspeed==0.17.1"]) == {}  # two versions: neither decides
     # no version in the log: this machine's, said as such, only to choose between candidates
-    monkeypatch.setattr(explain, "_environment_versions", lambda names: {"deepspeed": "0.18.0"})
+    monkeypatch.setattr(match, "_environment_versions", lambda names: {"deepspeed": "0.18.0"})
     named, _, _ = explain.find([error], [old, new])
     assert [(n["patch"].id, n["confidence"]) for n in named] == [("new", "likely")]
     assert "installed here" in named[0]["versions"]["deepspeed"]
@@ -113,7 +114,7 @@ def test_versions_printed_in_the_log_rule_causes_out(monkeypatch):
 def test_a_bug_the_versions_here_do_not_have_is_set_aside(monkeypatch):
     old = Fake("old", Signature("Weights only load failed", error="UnpicklingError"), affected="<=0.15.4")
     error = "_pickle.UnpicklingError: Weights only load failed."
-    monkeypatch.setattr(explain, "_environment_versions", lambda names: {"deepspeed": "0.18.0"})
+    monkeypatch.setattr(match, "_environment_versions", lambda names: {"deepspeed": "0.18.0"})
     named, undecided, aside = explain.find([error], [old])
     assert not named and not undecided and aside[0]["reason"] == "deepspeed 0.18.0 is outside <=0.15.4"
     named, _, aside = explain.find(["deepspeed==0.15.4", error], [old])  # the log's own version comes first
@@ -138,7 +139,7 @@ def test_a_bug_whose_lines_another_failure_writes_is_named_only_on_its_hint(monk
     new = Fake("new", Signature("pop from an empty deque", error="IndexError", hints=("unwrap_model_for_gen",)),
                affected=">=0.15.4,<0.19.2")
     error = "IndexError: pop from an empty deque"
-    monkeypatch.setattr(explain, "_environment_versions", lambda names: {})
+    monkeypatch.setattr(match, "_environment_versions", lambda names: {})
     assert _found(error, old) == ([], [["old"]])  # alone: offered, not named
     assert _found(f"deepspeed==0.14.4\n{error}", old, new) == ([], [["old"]])  # versions leave it: still offered
     _, undecided, _ = explain.find(explain.clean_lines(f"deepspeed==0.14.4\n{error}"), [old, new])
@@ -147,7 +148,7 @@ def test_a_bug_whose_lines_another_failure_writes_is_named_only_on_its_hint(monk
     assert _found(f"in unwrap_model_for_generation\n{error}", new, old) == (["new"], [])  # a hint decides
     hinted = Fake("hinted", Signature("pop from an empty deque", error="IndexError", hints=("my_id",), also=also))
     assert _found(f"my_id = 3\n{error}", hinted) == (["hinted"], [])
-    monkeypatch.setattr(explain, "_environment_versions", lambda names: {"deepspeed": "0.14.4"})
+    monkeypatch.setattr(match, "_environment_versions", lambda names: {"deepspeed": "0.14.4"})
     assert _found(error, old, new) == ([], [["old"]])  # this machine's versions do not decide against it either
 
 
@@ -283,19 +284,19 @@ def test_no_log_on_a_terminal_prints_the_usage(monkeypatch, capsys):
 def test_each_signature_is_found_by_its_fixed_words():
     """Every message pattern has fixed words the skim searches for (else a long log would be read line by line),
     and every log-wide pattern has fixed text."""
-    plan = explain._plan(list(registry.all_patches().values()))
+    plan = patterns._plan(list(registry.all_patches().values()))
     assert plan is not None
     triggers, anywhere = plan
     assert all(len(word) >= 4 for word in triggers)
-    assert explain._required(r"'(?!NoneType')\w+' object has no attribute 'x_y'") == {"' object has no attribute 'x_y'"}
-    assert explain._required(r"(grpo|ppo)_trainer\.py|rollout") == {"_trainer.py", "rollout"}
-    assert explain._required(r"(?i)deepspeed") is None and explain._required(r"\w+") is None
+    assert patterns._required(r"'(?!NoneType')\w+' object has no attribute 'x_y'") == {"' object has no attribute 'x_y'"}
+    assert patterns._required(r"(grpo|ppo)_trainer\.py|rollout") == {"_trainer.py", "rollout"}
+    assert patterns._required(r"(?i)deepspeed") is None and patterns._required(r"\w+") is None
 
 
 def test_weights_only_refusal_is_certain_only_with_a_frame_of_the_affected_loader(monkeypatch):
     """A DeepSpeed global in torch's weights-only refusal says what was loaded, not by whom: without a frame of the
     loaders deepspeed <= 0.15.4 has wrong, the bug is offered beside the other loaders that write it, never named."""
-    monkeypatch.setattr(explain, "_environment_versions", lambda names: {"deepspeed": "0.14.4", "torch": "2.6.0"})
+    monkeypatch.setattr(match, "_environment_versions", lambda names: {"deepspeed": "0.14.4", "torch": "2.6.0"})
     patch = registry.all_patches()["deepspeed/checkpoint-weights-only"]
     refusal = ("_pickle.UnpicklingError: Weights only load failed.\n"
                "Unsupported global: GLOBAL deepspeed.runtime.zero.config.ZeroStageEnum was not an allowed global\n")
@@ -316,7 +317,7 @@ def test_weights_only_refusal_is_certain_only_with_a_frame_of_the_affected_loade
 def test_every_place_of_every_word_is_one_grep_found_or_one_a_match_may_hide(parts, tmp_path_factory):
     """The skim searches a chunk only for the words grep found there and those a match may hide (grep -o goes on
     from where a match ends): every place of every word lies within a match whose hidden words include it."""
-    if not explain._GREP:
+    if not logfile._GREP:
         pytest.skip("no grep on this machine")
     words = {b"add_hooks", b", in add_hooks", b"zero_to_fp32", b"zero_to_fp32.py", b"weight",
              b"stage3_gather_16bit_weights_on_model_save"}
@@ -324,7 +325,7 @@ def test_every_place_of_every_word_is_one_grep_found_or_one_a_match_may_hide(par
     path = tmp_path_factory.mktemp("grep") / "log"
     path.write_bytes(text)
     with open(path, "rb") as f:
-        grep = explain._Grep(f, words)
+        grep = logfile._Grep(f, words)
         try:
             offsets, found = grep._matches()
         finally:
@@ -332,7 +333,7 @@ def test_every_place_of_every_word_is_one_grep_found_or_one_a_match_may_hide(par
     for word in words:
         at = text.find(word)
         while at >= 0:
-            assert any(o <= at < o + len(m) and word in explain._hidden(m, words) for o, m in zip(offsets, found)), \
+            assert any(o <= at < o + len(m) and word in logfile._hidden(m, words) for o, m in zip(offsets, found)), \
                 (word, at, text, list(zip(offsets, found)))
             at = text.find(word, at + 1)
 
@@ -347,7 +348,7 @@ def test_the_nccl_forms_of_the_zero3_lora_and_moe_bugs_are_told_by_their_frames(
     `_allgather_params_coalesced`, not the older RuntimeError of the same words through the coordinator's fetch (fp16
     jobs of 2023, another cause); NCCL's watchdog timeout offers deepspeed/zero3-moe-leaf-modules only beside a
     sparse-MoE block's frame and ZeRO-3's fetch, never from the timeout alone."""
-    monkeypatch.setattr(explain, "_environment_versions", lambda names: {})
+    monkeypatch.setattr(match, "_environment_versions", lambda names: {})
     patches = list(registry.all_patches().values())
     post_step = (_frame("deepspeed/runtime/zero/stage3.py", 2243, "_post_step",
                         "self.persistent_parameters[0].all_gather(self.persistent_parameters)")

@@ -17,6 +17,7 @@ import re
 import pytest
 
 from dspatch import explain, registry
+from dspatch.explain import logfile, match
 
 pytestmark = pytest.mark.unit_only
 
@@ -43,7 +44,7 @@ def verdict(path, monkeypatch):
     header, text = read(path)
     installed = dict(pair.split("=") for pair in header.get("environment", "").split())
     # the machine the thread's job ran on, not this one
-    monkeypatch.setattr(explain, "_environment_versions",
+    monkeypatch.setattr(match, "_environment_versions",
                         lambda names: {n: v for n, v in installed.items() if n in names})
     named, undecided, _ = explain.find(explain.clean_lines(text), list(PATCHES.values()))
     return (header, [n["patch"].id for n in named], [[p.id for p in u["patches"]] for u in undecided],
@@ -104,22 +105,22 @@ VERSIONS = ("torch\u00a02.1.0 `trl` version: 0.11.4 accelerate.......1.0.0 DeepS
 @pytest.mark.parametrize("grep", [True, False], ids=["grep", "python-search"])
 @pytest.mark.parametrize("chunk", [1 << 24, 97])
 def test_a_log_skimmed_from_its_file_reads_as_the_whole_log(chunk, grep, monkeypatch, tmp_path):
-    """What the command line reads (dspatch.explain.skim: grep, or plain search, for each message's words, then only the lines
+    """What the command line reads (dspatch.explain.logfile: grep, or plain search, for each message's words, then only the lines
     around them and those the log-wide patterns and versions need) decides every real log as reading every line
     does: the same bugs named, the same choices, the same line numbers; also when each log is buried in 4,000
     lines of training output and when the chunks it is read in are cut every 97 bytes."""
     noise = "".join(f"[rank{i % 2}]: {{'loss': 0.{i:04d}, 'grad_norm': 1.2}} step {i}/4000 [00:01<00:09]\r\n"
                     for i in range(4000))
-    monkeypatch.setattr(explain, "_CHUNK", chunk)
+    monkeypatch.setattr(logfile, "_CHUNK", chunk)
     if grep:  # grep picks the chunks where a message's word is; Python's own search, where there is no grep
-        assert explain._GREP, "no grep on this machine: the skim's grep prefilter is not checked"
+        assert logfile._GREP, "no grep on this machine: the skim's grep prefilter is not checked"
     else:
-        monkeypatch.setattr(explain, "_GREP", None)
+        monkeypatch.setattr(logfile, "_GREP", None)
     patches = list(PATCHES.values())
     for number, path in enumerate(LOGS):
         header, text = read(path)
         installed = dict(pair.split("=") for pair in header.get("environment", "").split())
-        monkeypatch.setattr(explain, "_environment_versions",
+        monkeypatch.setattr(match, "_environment_versions",
                             lambda names: {n: v for n, v in installed.items() if n in names})
         if chunk < 1000 and number % 10:  # small chunks: every tenth log (CI time)
             continue

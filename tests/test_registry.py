@@ -322,11 +322,23 @@ def test_dspatch_modules_import_each_other_one_way():
 
     package = os.path.dirname(dspatch.__file__)
     graph = {}
+    def sources(name):
+        """The files of one of dspatch's modules; a subpackage (explain/, canary/) is one node of the graph."""
+        path = os.path.join(package, name)
+        if os.path.isdir(path):
+            return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".py")]
+        return [path] if name.endswith(".py") and name != "__init__.py" else []
+
+    def exists(name):
+        return os.path.exists(os.path.join(package, name + ".py")) or \
+            os.path.exists(os.path.join(package, name, "__init__.py"))
+
     for name in sorted(os.listdir(package)):
-        if not name.endswith(".py") or name == "__init__.py":
+        files = sources(name)
+        if not files:
             continue
-        module = name[:-3]
-        tree = ast.parse(open(os.path.join(package, name)).read())
+        module = name[:-3] if name.endswith(".py") else name
+        tree = ast.Module(body=[node for f in files for node in ast.parse(open(f).read()).body], type_ignores=[])
         uses = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module == "dspatch":
@@ -335,7 +347,7 @@ def test_dspatch_modules_import_each_other_one_way():
                 uses.add(node.module.split(".")[1])
             elif isinstance(node, ast.Import):
                 uses.update(a.name.split(".")[1] for a in node.names if a.name.startswith("dspatch."))
-        graph[module] = {u for u in uses if u != module and os.path.exists(os.path.join(package, u + ".py"))}
+        graph[module] = {u for u in uses if u != module and exists(u)}
 
     def cycle_from(start, path):
         for nxt in graph.get(path[-1], ()):
@@ -353,6 +365,7 @@ def test_dspatch_modules_import_each_other_one_way():
     assert graph["upstream"] <= {"_hook", "_cache", "versions"}, graph  # reading what is installed
     assert graph["gating"] <= {"upstream", "_hook", "_cache", "versions"}, graph  # verdicts from it
     assert not any("_boot" in uses for uses in graph.values()), graph
+    assert {"explain", "canary", "cli"} <= set(graph), graph  # the subpackages are read too
 
 
 # ------------------------------------------------------------------------------------------------------------
