@@ -145,7 +145,8 @@ def stack_session(name):
         # the small sessions' pins and keywords: a diff band one of them proves is not run again here
         session.run("pytest", "-m", "not unit_only", *XDIST, *session.posargs,
                     env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS),
-                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_SMALL_SELECTS": json.dumps(SELECTS)})
+                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_SMALL_SELECTS": json.dumps(SELECTS),
+                         "DSPATCH_PINS": json.dumps([TORCH, *STACKS[name]])})
 
     run.__doc__ = f"Every patch proven against real {', '.join(STACKS[name])} (torch 2.13 CPU)."
     return run
@@ -163,7 +164,8 @@ def trl_tf5(session):
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
     tests = ["tests/test_ppo_deepspeed_save.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
     session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", "ppo", *session.posargs,
-                env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS)})
+                env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS),
+                     "DSPATCH_PINS": json.dumps([TORCH, *TRL_TF5])})
 
 
 @nox.session(python="3.11")
@@ -173,7 +175,8 @@ def tf444_ds16(session):
     install_once(session, *TF444_DS16)
     install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
     proofs = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
-    session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, "-k", "prefetch-bucket-int", *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS)})
+    session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, "-k", "prefetch-bucket-int", *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS),
+                     "DSPATCH_PINS": json.dumps([TORCH, *TF444_DS16])})
 
 
 SELECTS = {}  # {small session: its pytest keywords, "a or b"}, filled below
@@ -193,7 +196,7 @@ def small_session(name, keywords, own_tests, doc):
                  "tests/test_proofs_bands.py", *own_tests]
         session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", keywords, *session.posargs,
                     env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS),
-                         "DSPATCH_SMALL": json.dumps(SMALL)})
+                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_PINS": json.dumps([TORCH, *SMALL[name]])})
 
     run.__doc__ = f"{doc} ({', '.join(SMALL[name])}, torch 2.13 CPU)"
     return run

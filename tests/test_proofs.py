@@ -35,6 +35,25 @@ def _ids(values):
     return values or ["none-applies-here"]
 
 
+@pytest.mark.parametrize("pid", sorted(registry.all_patches()))
+def test_what_applies_here_is_what_the_sessions_pins_have(pid):
+    """A session proves what its pins have, derived rather than listed by hand (issue 51): each patch applies to the
+    installed releases exactly where `dspatch audit` (the verdicts of the released sources, dspatch/audit) gives
+    "applies" for the pins the noxfile installed here (DSPATCH_PINS), so that a changed pin or a verdict gone wrong
+    cannot quietly take a patch's proofs out of a session, or put them in."""
+    pins = os.environ.get("DSPATCH_PINS")
+    if not pins:
+        pytest.skip("not a nox session: DSPATCH_PINS names the session's pins")
+    from dspatch import audit
+
+    patch = registry.all_patches()[pid]
+    pinned = audit.read_pins(pins_text=" ".join(json.loads(pins)))
+    pin = pinned.get(audit.canonical(patch.distribution))
+    expected = audit.decide(patch, pin.releases()[0], pinned)[0] if pin else "not pinned"
+    here = gating.evaluate(patch)
+    assert (here.verdict == gating.APPLIES) == (expected == gating.APPLIES), (here.verdict, here.reason, expected)
+
+
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))
 def test_stock_fails_exactly_as_declared(pid):
     if pid == "none-applies-here":
