@@ -122,9 +122,10 @@ def install_stack(session, name):
 
 @nox.session(python="3.11")
 def lint(session):
-    """ruff, as configured in pyproject.toml."""
-    install_once(session, "ruff==0.17.6")
+    """ruff, and mypy on dspatch/ and the patch contract, as configured in pyproject.toml."""
+    install_once(session, "ruff==0.17.6", "mypy==2.4.1")
     session.run("ruff", "check", ".")
+    session.run("mypy")
 
 
 @nox.session(python="3.11")

@@ -22,8 +22,8 @@ except ImportError:  # an interpreter without it
     from hashlib import blake2b as _blake2b
 
 _FORMAT = b"dspatch-cache-2\n"
-_sources = {}  # module file -> hash of its bytes, once per process
-_contents = {}  # (path, stat fields incl. ctime) -> hash of the file's bytes, within this process
+_sources: dict = {}  # module file -> hash of its bytes, once per process
+_contents: dict = {}  # (path, stat fields incl. ctime) -> hash of the file's bytes, within this process
 
 
 def digest(data=b""):

@@ -105,7 +105,7 @@ def uninstall():
         sys.meta_path.remove(f)
 
 
-_failed = []
+_failed: list = []
 
 
 def report_failure(name, error, strict_now=False):

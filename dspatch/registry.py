@@ -2,7 +2,9 @@
 import importlib
 import os
 
-from dspatch import patches as _patches_pkg
+# the patches folder joins the package through a __path__ extension (dspatch/__init__.py), which no type checker
+# follows: issue 51 makes it a real package
+from dspatch import patches as _patches_pkg  # type: ignore[attr-defined]
 from dspatch._hook import flag  # the one reading of on and off (dspatch.pth repeats the words)
 
 ON_WORDS = {"1", "all", "true", "yes", "on"}

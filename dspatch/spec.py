@@ -1,4 +1,12 @@
-"""What a patch declares. Patch modules import only this at module level, so reading the registry is cheap."""
+"""What a patch declares. Patch modules import only this at module level, so reading the registry is cheap.
+
+The contract is typed: mypy (the lint session) checks every patch's declaration against these signatures."""
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
+
+# {fingerprint of a released source: the releases that shipped it ("0.14.0-0.15.3", "0.16.3")}
+Fingerprints = Mapping[str, str]
+# a line pattern of a Signature: a regular expression, or a function of a line for what a pattern cannot say
+LinePattern = Union[str, Callable[[str], bool]]
 
 
 class Target:
@@ -11,7 +19,7 @@ class Target:
     that have it at this module (None: every release). A patch whose targets declare it gets, in each
     release, the targets of that release only (see Patch.targets_for)."""
 
-    def __init__(self, module, qualname, fingerprints, releases=None):
+    def __init__(self, module: str, qualname: str, fingerprints: Fingerprints, releases: Optional[str] = None) -> None:
         self.module = module
         self.qualname = qualname
         self.fingerprints = dict(fingerprints)
@@ -45,8 +53,9 @@ class Signature:
       this bug only where one of its `hints` is there; otherwise it is offered, with `also` said beside it.
     """
 
-    def __init__(self, message, error=None, needs=(), context=(), hints=(), unless=(), generic=False, tell="",
-                 also=""):
+    def __init__(self, message: str, error: Optional[str] = None, needs: Iterable[LinePattern] = (),
+                 context: Iterable[LinePattern] = (), hints: Iterable[LinePattern] = (),
+                 unless: Iterable[LinePattern] = (), generic: bool = False, tell: str = "", also: str = "") -> None:
         self.message = message
         self.error = error
         self.needs = tuple(needs)
@@ -123,7 +132,8 @@ class Patch:
       `summary` says what the patch does about it).
     - `canary`: for a silent bug, the shapes of divergence `dspatch canary` tells (dspatch.canary.verdict's codes:
       "divided_twice", "not_divided", "last_only", "middle_dropped", "piled_up", "windows", "lr_groups", "clipping",
-      "nan", "grad_norm", "update"): a divergence of one of them names the patch as a candidate.
+      "nan", "grad_norm", "update", "loss_scale", "adam_step_early"): a divergence of one of them names the patch as
+      a candidate.
     - `symptom`: what a user sees on stock upstream, in a few words (the error's own text where there is one; for a
       silent bug, the wrong result): the README's short table shows it beside the patch id.
     - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the
@@ -132,9 +142,15 @@ class Patch:
       would break live objects, or None. Checked before a late apply and before a revert.
     """
 
-    def __init__(self, id, summary, distribution, affected, fixed_in, targets, apply, supported="", links=(),
-                 diffs=None, in_use=None, fixed_marker=None, note="", requires=None, renamed=None, signatures=(),
-                 reproducers=None, symptom="", cause="", canary=()):
+    def __init__(self, id: str, summary: str, distribution: str, affected: str, fixed_in: Optional[str],
+                 targets: Union[Mapping[tuple[str, str], Fingerprints], Iterable[Target]],
+                 apply: Optional[Callable[[Any], None]], supported: str = "", links: Iterable[str] = (),
+                 diffs: Optional[Mapping[str, str]] = None, in_use: Optional[Callable[[], Optional[str]]] = None,
+                 fixed_marker: Optional[tuple[str, str]] = None, note: str = "",
+                 requires: Optional[Mapping[str, str]] = None,
+                 renamed: Optional[tuple[str, Mapping[str, str]]] = None, signatures: Iterable[Signature] = (),
+                 reproducers: Optional[str] = None, symptom: str = "", cause: str = "",
+                 canary: Iterable[str] = ()) -> None:
         self.id = id
         self.summary = summary
         self.distribution = distribution

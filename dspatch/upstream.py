@@ -12,7 +12,7 @@ import sys
 # ast, tokenize, io, hashlib and re are imported where they are used: with dspatch's cache warm, --check needs none
 
 
-_versions = {}
+_versions: dict = {}
 
 
 def installed_version(distribution):
@@ -113,8 +113,8 @@ def module_file(module_name):
     return None
 
 
-_parsed = {}
-_read = {}
+_parsed: dict = {}
+_read: dict = {}
 
 
 def _stamp(path):

@@ -49,7 +49,7 @@ def _full(engine, what):
     return found
 
 
-RECORDING = []  # the record the instrumented step writes to (the run in progress)
+RECORDING: list = []  # the record the instrumented step writes to (the run in progress)
 UNMODELLED = "not modelled: "  # an error that says the run cannot be what the plan means (exit 2, not a crash)
 
 

@@ -28,7 +28,7 @@ def _launch(cases):
 
 CASES = ("accumulate-2", "sync_each_batch-2", "accumulate-3", "sync_each_batch-3", "no_sync-2", "native-2",
          "accumulate-1", "sync_each_batch-1", "trainer-2")
-_ran = {}
+_ran: dict = {}
 
 
 def _results(cases):

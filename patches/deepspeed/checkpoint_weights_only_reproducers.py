@@ -7,7 +7,7 @@ import os
 from dspatch.spec import BugSeen
 
 
-_warm = []
+_warm: list = []
 
 
 def _engine(stage, **config):

@@ -92,8 +92,8 @@ class InitializeTwiceError(RuntimeError):
 
 
 # id(obj) -> (weakref to obj, weakref to engine, what: "model" | "engine" | "optimizer", the code that built it)
-_owners = {}
-_warned = []
+_owners: dict = {}
+_warned: list = []
 
 
 def _remember(obj, engine, what, built_by):

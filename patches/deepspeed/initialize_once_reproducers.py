@@ -51,7 +51,7 @@ def train(engine, steps):
     return losses
 
 
-_warm = []
+_warm: list = []
 
 
 def warm_up():

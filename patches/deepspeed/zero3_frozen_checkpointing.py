@@ -54,7 +54,7 @@ FINGERPRINTS = {"7afccceb166e3708": "0.14.0-0.15.3", "d7a3471a831c5bc1": "0.15.4
 
 CHECKPOINT_ERROR = "Recomputed values for the following tensors have different metadata than during the forward pass"
 
-_pending = {}  # autograd graph task id -> {id(submodule): (offload, submodule, [frozen params held])}
+_pending: dict = {}  # autograd graph task id -> {id(submodule): (offload, submodule, [frozen params held])}
 
 
 def _coordinator(offload, module):

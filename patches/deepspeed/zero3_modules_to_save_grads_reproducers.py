@@ -123,7 +123,7 @@ def initialize_run(wrapped):
     return losses, _trained(engine.module)
 
 
-_warm = []
+_warm: list = []
 
 
 def seq_cls_head():

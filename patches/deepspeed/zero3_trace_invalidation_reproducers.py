@@ -121,7 +121,7 @@ def train(generate_with=None, prepare=_initialize):
     return losses, _weights(engine)
 
 
-_warm = []
+_warm: list = []
 
 
 def _warm_up():

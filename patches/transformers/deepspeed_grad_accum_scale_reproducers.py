@@ -66,7 +66,7 @@ def _same(got, want, what):
         raise AssertionError(f"{what}: weights after {STEPS} steps differ: {off[:5]}")
 
 
-_memo = {}
+_memo: dict = {}
 
 
 def _reference():

@@ -26,7 +26,7 @@ PROCESS = "HfTrainerDeepSpeedConfig.trainer_config_process"
 # every release 4.44.0-5.24.0 (python tests/upstream_releases.py transformers/deepspeed-max-grad-norm 4.44.0 5.24.0)
 FINGERPRINTS = {(DS_INTEGRATION, PROCESS): {"1fe83dcc3856e696": "4.44.0-4.57.6", "871b09379135ac7a": "5.0.0-5.24.0"}}
 KEY = "gradient_clipping"
-_said = []
+_said: list = []
 
 
 def fill_gradient_clipping(wrapped, instance, args, kwargs):

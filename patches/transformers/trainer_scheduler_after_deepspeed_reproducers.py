@@ -104,7 +104,7 @@ def run_trainer(deepspeed=None, freeze_norms=True, out=None, save_steps=None, re
         return recorder.lrs, losses, trainer
 
 
-_reference = {}
+_reference: dict = {}
 
 
 def reference(freeze_norms=True):

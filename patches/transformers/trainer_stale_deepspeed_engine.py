@@ -71,7 +71,7 @@ ZERO_STEPS = "ds scheduler.params.total_num_steps=0 vs hf num_training_steps"
 
 # id(DeepSpeedPlugin) -> (weakref to it, its config as it was before any engine, its mismatches list); the plugin is
 # a dataclass (unhashable), held weakly: a new plugin (hyperparameter_search's next trial) is remembered anew
-_configs = {}
+_configs: dict = {}
 
 
 def _plugin(trainer):

@@ -26,7 +26,7 @@ def config(stage):
                                                               "warmup_num_steps": AUTO, "total_num_steps": AUTO}}}
 
 
-_warm = []
+_warm: list = []
 
 
 def warm():
@@ -102,7 +102,7 @@ def _same(got, want, what):
         raise AssertionError(f"{what}: weights differ from one train() alone: {changed[:3]}")
 
 
-_alone = {}
+_alone: dict = {}
 
 
 def one_train_alone(stage):

@@ -107,7 +107,7 @@ def _run(generate_after):
     return before, losses, states, _hook_state(engine), _params(engine)
 
 
-_warm = []
+_warm: list = []
 
 
 def _warm_up():
