@@ -5,7 +5,15 @@ Nothing here imports torch or a target package (`--check` must be cheap and must
 broken or absent). The runtime uses the same functions on the files of the modules it is about to patch,
 so `--check` and what happens in a training job cannot disagree.
 """
+from __future__ import annotations
+
 from dspatch.upstream import fingerprint, installed_version, module_file, source_segment
+
+TYPE_CHECKING = False  # typing is not imported for this (mypy reads the names below)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from dspatch.spec import Patch
 
 
 APPLIES = "applies"
@@ -124,7 +132,8 @@ class Verdict:
                 "reason": self.reason}
 
 
-def evaluate(patch, version=None, locate=module_file, others=None):
+def evaluate(patch: Patch, version: str | None = None, locate: Callable[[str], str | None] = module_file,
+             others: Mapping[str, str] | None = None) -> Verdict:
     """A Verdict from the environment alone: selection and in-process state not considered.
 
     `version` and `locate` (module name -> source path) default to the installed ones; tests pass those of
@@ -172,7 +181,7 @@ def evaluate(patch, version=None, locate=module_file, others=None):
     if mismatch is None:
         return Verdict(patch, APPLIES, version, "source", patch.affected, needed, plain=plain)
     if not plain and _has_fix(patch, locate):
-        return Verdict(patch, FIXED_UPSTREAM, version, "build fix", ":".join(patch.fixed_marker))
+        return Verdict(patch, FIXED_UPSTREAM, version, "build fix", ":".join(patch.fixed_marker or ()))
     if not plain and fixed and not patch.fixed_marker:  # nothing in the source tells: its number decides
         return Verdict(patch, FIXED_UPSTREAM, version, "build number", patch.fixed_in)
     if not plain and not fixed and not SpecifierSet(patch.affected).contains(release):

@@ -1,4 +1,6 @@
 """Loads the declared patches and resolves a selection (DSPATCH, DSPATCH_DISABLE) against them."""
+from __future__ import annotations
+
 import importlib
 import os
 
@@ -7,12 +9,18 @@ import os
 from dspatch import patches as _patches_pkg  # type: ignore[attr-defined]
 from dspatch._hook import flag  # the one reading of on and off (dspatch.pth repeats the words)
 
+TYPE_CHECKING = False  # typing is not imported for this (mypy reads the names below)
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
+    from dspatch.spec import Patch
+
 ON_WORDS = {"1", "all", "true", "yes", "on"}
 
 _cache = None
 
 
-def all_patches():
+def all_patches() -> dict[str, Patch]:
     """{id: Patch} in registry order."""
     global _cache
     if _cache is None:
@@ -83,7 +91,8 @@ def split(value):
     return [t.strip() for t in value.replace(";", ",").split(",") if t.strip()]
 
 
-def selection(ids=None, environ=None, source="dspatch.apply()"):
+def selection(ids: Iterable[str] | str | None = None, environ: Mapping[str, str] | None = None,
+              source: str = "dspatch.apply()") -> tuple[list[str], dict[str, str]]:
     """The ids selected by `ids` (code) or by DSPATCH, less DSPATCH_DISABLE. Raises SelectionError.
 
     Returns (selected ids in registry order, reason text for each patch left out)."""
@@ -112,7 +121,7 @@ def selection(ids=None, environ=None, source="dspatch.apply()"):
     return chosen, left_out
 
 
-def named(environ=None):
+def named(environ: Mapping[str, str] | None = None) -> list[str]:
     """The ids DSPATCH names one by one (not through 1 or a prefix): a user who names a patch wants to hear when it
     does not apply."""
     env = os.environ if environ is None else environ
@@ -120,6 +129,6 @@ def named(environ=None):
     return [token for token in split(env.get("DSPATCH", "")) if token in known]
 
 
-def active(environ=None):
+def active(environ: Mapping[str, str] | None = None) -> bool:
     """Whether DSPATCH turns dspatch on at all (its ids: selection())."""
     return flag("DSPATCH", environ)
