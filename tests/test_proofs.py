@@ -14,6 +14,7 @@
 
 A patch that does not apply to this stack (fixed upstream, not affected) is covered by its own tests.
 """
+import functools
 import json
 import os
 import shutil
@@ -35,19 +36,26 @@ def _ids(values):
     return values or ["none-applies-here"]
 
 
+@functools.lru_cache(maxsize=None)
+def _session_pins():
+    """The session's pins as dspatch audit reads them, once for every patch's check."""
+    from dspatch import audit
+
+    return audit.read_pins(pins_text=" ".join(json.loads(os.environ["DSPATCH_PINS"])))
+
+
 @pytest.mark.parametrize("pid", sorted(registry.all_patches()))
 def test_what_applies_here_is_what_the_sessions_pins_have(pid):
     """A session proves what its pins have, derived rather than listed by hand (issue 51): each patch applies to the
     installed releases exactly where `dspatch audit` (the verdicts of the released sources, dspatch/audit) gives
     "applies" for the pins the noxfile installed here (DSPATCH_PINS), so that a changed pin or a verdict gone wrong
     cannot quietly take a patch's proofs out of a session, or put them in."""
-    pins = os.environ.get("DSPATCH_PINS")
-    if not pins:
+    if not os.environ.get("DSPATCH_PINS"):
         pytest.skip("not a nox session: DSPATCH_PINS names the session's pins")
     from dspatch import audit
 
     patch = registry.all_patches()[pid]
-    pinned = audit.read_pins(pins_text=" ".join(json.loads(pins)))
+    pinned = _session_pins()
     pin = pinned.get(audit.canonical(patch.distribution))
     expected = audit.decide(patch, pin.releases()[0], pinned)[0] if pin else "not pinned"
     here = gating.evaluate(patch)

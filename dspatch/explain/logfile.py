@@ -6,7 +6,6 @@ import sys
 
 from dspatch.explain.lines import _AFTER, _ANSI, _BEFORE, _JOINED, Sparse, _clean, _join_debugger_lines, clean_lines
 from dspatch.explain.patterns import _plan
-# ---- reading a log of any size: two skims for a few fixed words, then only the lines around what they found ------
 
 _CHUNK = 16 << 20  # bytes read at a time: memory stays a few chunks whatever the log's size
 
