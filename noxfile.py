@@ -5,6 +5,7 @@
     nox -s demo         build the old stack, a tiny ZeRO-3 job stock vs DSPATCH=1, and `dspatch check`
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
+import glob
 import hashlib
 import json
 import os
@@ -143,10 +144,10 @@ def stack_session(name):
     @nox.session(python="3.11", name=name)
     def run(session):
         install_stack(session, name)
-        # the small sessions' pins and keywords: a diff band one of them proves is not run again here
+        # the small sessions' pins and patches: a diff band one of them proves is not run again here
         session.run("pytest", "-m", "not unit_only", *XDIST, *session.posargs,
                     env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS),
-                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_SMALL_SELECTS": json.dumps(SELECTS),
+                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_SMALL_PROVES": json.dumps(PROVES),
                          "DSPATCH_PINS": json.dumps([TORCH, *STACKS[name]])})
 
     run.__doc__ = f"Every patch proven against real {', '.join(STACKS[name])} (torch 2.13 CPU)."
@@ -156,79 +157,65 @@ def stack_session(name):
 for _name in STACKS:
     globals()[_name] = stack_session(_name)
 
-@nox.session(python="3.11")
-def trl_tf5(session):
-    """trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers 5.23.0 (torch 2.13 CPU): its own tests,
-    and the monkeypatch's and the diff's proofs every patch owes."""
-    install_once(session, TORCH)
-    install_once(session, *TRL_TF5)
-    install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
-    tests = ["tests/test_ppo_deepspeed_save.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
-    session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", "ppo", *session.posargs,
-                env={**TEST_ENV, "DSPATCH_TEST_STACK": "trl_tf5", "DSPATCH_MATRIX": json.dumps(STACKS),
-                     "DSPATCH_PINS": json.dumps([TORCH, *TRL_TF5])})
+PROOFS = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
+PROVES = {}  # {session outside the matrix: the ids of the patches it proves}, filled below
 
 
-@nox.session(python="3.11")
-def tf444_ds16(session):
-    """transformers/deepspeed-prefetch-bucket-int proven on transformers 4.44.2 with deepspeed 0.16.3 (torch 2.13 CPU)."""
-    install_once(session, TORCH)
-    install_once(session, *TF444_DS16)
-    install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
-    proofs = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
-    session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, "-k", "prefetch-bucket-int", *session.posargs, env={**TEST_ENV, "DSPATCH_TEST_STACK": "tf444_ds16", "DSPATCH_MATRIX": json.dumps(STACKS),
-                     "DSPATCH_PINS": json.dumps([TORCH, *TF444_DS16])})
-
-
-SELECTS = {}  # {small session: its pytest keywords, "a or b"}, filled below
-
-
-def small_session(name, keywords, own_tests, doc):
-    """A session of SMALL: the shared proofs of the patches `keywords` selects, their bands' newest releases (stock,
-    monkeypatch, diff) and their own tests."""
-    SELECTS[name] = keywords
+def proving_session(name, pins, ids, doc, proofs=(*PROOFS, "tests/test_proofs_bands.py"), also=()):
+    """A session outside the matrix: the proofs (`proofs`) of the patches `ids` names on `pins`, and those patches' own
+    tests (their folders), nothing else: conftest deselects every other patch's tests by id (DSPATCH_PROVE), and a
+    stated id that does not apply to the pins fails (tests/test_proofs.py). `also`: shared test files whose tests of
+    these patches belong here too."""
+    PROVES[name] = list(ids)
 
     @nox.session(python="3.11", name=name)
     def run(session):
         install_once(session, TORCH)
-        install_once(session, *SMALL[name])
+        install_once(session, *pins)
         install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
-        tests = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py",
-                 "tests/test_proofs_bands.py", *own_tests]
-        session.run("pytest", "-m", "not unit_only", *XDIST, *tests, "-k", keywords, *session.posargs,
+        folders = [f"dspatch/patches/{pid.split('/')[0]}/{pid.split('/')[1].replace('-', '_')}" for pid in ids]
+        own = [folder for folder in folders if glob.glob(os.path.join(folder, "test_*.py"))]
+        session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, *also, *own, *session.posargs,
                     env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS),
-                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_PINS": json.dumps([TORCH, *SMALL[name]])})
+                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_PROVE": json.dumps(list(ids)),
+                         "DSPATCH_PINS": json.dumps([TORCH, *pins])})
 
-    run.__doc__ = f"{doc} ({', '.join(SMALL[name])}, torch 2.13 CPU)"
+    run.__doc__ = f"{doc} ({', '.join(pins)}, torch 2.13 CPU)"
     return run
 
 
-ds0183 = small_session("ds0183",
-                       "scale-wrt-gas or gas-per-tensor or output_hooks_gas or bf16 or pipe-grad or pipe_grad or "
-                       "lr-schedules or allreduce-fetch or moe_leaf or backward-twice",
-                       ["tests/test_output_hooks_gas.py", "tests/test_zero0_bf16_grads.py",
-                        "tests/test_pipe_grad_accum_scale.py", "tests/test_lr_schedules_multigroup.py",
-                        "tests/test_zero3_moe_leaf_modules.py", "tests/test_canary.py"],
-                       "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
-                       "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
-                       "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of "
-                       "zero3-allreduce-fetch-padding, 0.18.3-0.18.4 of zero12-backward-twice")
-ds0182 = small_session("ds0182", "last-microbatch or no-allreduce or no_allreduce or bf16 or backward-twice",
-                       ["tests/test_grad_accum_scale_no_allreduce.py", "tests/test_zero0_bf16_grads.py",
-                        "tests/test_canary.py"],
-                       "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "
-                       "grad-accum-scale-no-allreduce, its other bands' newest releases; bf16 at stage 0 "
-                       "(zero0-bf16-grads); the TypeError band of zero12-backward-twice")
-
-ds0192 = small_session("ds0192", "lora-mixed-dtype or lora_mixed_dtype or gather-handle or gather_handle or "
-                       "backward-twice",
-                       ["tests/test_zero3_lora_mixed_dtype_allgather.py"],
-                       "ZeRO-3 + LoRA's fp32 adapters on a bf16 base (zero3-lora-mixed-dtype-allgather); a gather "
-                       "handle waited twice (zero3-gather-handle-waited-once); the 0.18.5-0.19.7 bands of "
-                       "zero12-backward-twice")
-ds0198 = small_session("ds0198", "warmup-zero or warmup_zero", [],
-                       "deepspeed >= 0.19.3 refusing the warmup of 0 that transformers < 5.18 and accelerate < 1.15 fill "
-                       "(transformers/deepspeed-warmup-zero, accelerate/deepspeed-warmup-zero)")
+trl_tf5 = proving_session("trl_tf5", TRL_TF5, ["trl/ppo-deepspeed-save"],
+                          "trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers 5.23.0: its own tests, "
+                          "and the monkeypatch's and the diff's proofs every patch owes", proofs=PROOFS[1:])
+tf444_ds16 = proving_session("tf444_ds16", TF444_DS16, ["transformers/deepspeed-prefetch-bucket-int"],
+                             "transformers/deepspeed-prefetch-bucket-int proven on transformers 4.44.2 with deepspeed "
+                             "0.16.3", proofs=PROOFS)
+ds0183 = proving_session("ds0183", SMALL["ds0183"],
+                         ["deepspeed/backward-scale-wrt-gas", "deepspeed/output-hooks-gas-per-tensor",
+                          "deepspeed/zero0-bf16-grads", "deepspeed/pipe-grad-accum-scale",
+                          "deepspeed/lr-schedules-multigroup", "deepspeed/zero3-allreduce-fetch-padding",
+                          "deepspeed/zero3-moe-leaf-modules", "deepspeed/zero12-backward-twice"],
+                         "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
+                         "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
+                         "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of "
+                         "zero3-allreduce-fetch-padding, 0.18.3-0.18.4 of zero12-backward-twice",
+                         also=["tests/test_canary.py"])
+ds0182 = proving_session("ds0182", SMALL["ds0182"],
+                         ["deepspeed/zero2-grad-accum-last-microbatch", "deepspeed/grad-accum-scale-no-allreduce",
+                          "deepspeed/zero0-bf16-grads", "deepspeed/zero12-backward-twice"],
+                         "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "
+                         "grad-accum-scale-no-allreduce, its other bands' newest releases; bf16 at stage 0 "
+                         "(zero0-bf16-grads); the TypeError band of zero12-backward-twice", also=["tests/test_canary.py"])
+ds0192 = proving_session("ds0192", SMALL["ds0192"],
+                         ["deepspeed/zero3-lora-mixed-dtype-allgather", "deepspeed/zero3-gather-handle-waited-once",
+                          "deepspeed/zero12-backward-twice"],
+                         "ZeRO-3 + LoRA's fp32 adapters on a bf16 base (zero3-lora-mixed-dtype-allgather); a gather "
+                         "handle waited twice (zero3-gather-handle-waited-once); the 0.18.5-0.19.7 bands of "
+                         "zero12-backward-twice")
+ds0198 = proving_session("ds0198", SMALL["ds0198"],
+                         ["transformers/deepspeed-warmup-zero", "accelerate/deepspeed-warmup-zero"],
+                         "deepspeed >= 0.19.3 refusing the warmup of 0 that transformers < 5.18 and accelerate < 1.15 "
+                         "fill (transformers/deepspeed-warmup-zero, accelerate/deepspeed-warmup-zero)")
 
 
 @nox.session(python="3.11")

@@ -39,7 +39,7 @@ def main():
     import dspatch
     from dspatch import _runtime
 
-    from dspatch.patches.deepspeed.engine_module_hint_reproducers import engine_for, gpt2_model
+    from dspatch.patches.deepspeed.engine_module_hint.reproducers import engine_for, gpt2_model
 
     engine = engine_for(gpt2_model())
     import torch

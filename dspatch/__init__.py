@@ -14,10 +14,6 @@ __version__ = "0.1.0"
 
 
 _here = _os.path.dirname(_os.path.abspath(__file__))
-if not _os.path.isdir(_os.path.join(_here, "patches")):
-    # Source checkout (editable install, tests): `patches/` sits beside this package instead of inside it,
-    # as in a wheel. Searching the checkout too makes `dspatch.patches` resolve there; nothing is imported.
-    __path__.append(_os.path.dirname(_here))
 
 
 def data_dir(name: str) -> str:

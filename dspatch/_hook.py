@@ -8,7 +8,17 @@ back with its name.
 import os
 import sys
 
-WATCHED = ("deepspeed", "accelerate", "transformers", "trl")
+
+
+def distribution_folders(root):
+    """The packages dspatch/patches/ has folders for (each holds the patches of that package), sorted."""
+    return sorted(name for name in os.listdir(root) if not name.startswith("_")
+                  and os.path.isfile(os.path.join(root, name, "__init__.py")))
+
+
+# The packages whose imports the hook watches: those the patches are for, read from the folders (a patch for a new
+# package is watched by being there; no list to keep). A directory listing: nothing is imported.
+WATCHED = tuple(distribution_folders(os.path.join(os.path.dirname(os.path.abspath(__file__)), "patches")))
 OFF_WORDS = ("", "0", "false", "no", "off", "none")  # dspatch.pth repeats them: it runs before any import
 
 

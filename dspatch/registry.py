@@ -4,10 +4,8 @@ from __future__ import annotations
 import importlib
 import os
 
-# the patches folder joins the package through a __path__ extension (dspatch/__init__.py), which no type checker
-# follows: issue 51 makes it a real package
-from dspatch import patches as _patches_pkg  # type: ignore[attr-defined]
-from dspatch._hook import flag  # the one reading of on and off (dspatch.pth repeats the words)
+from dspatch import patches as _patches_pkg
+from dspatch._hook import distribution_folders, flag  # the one reading of on and off (dspatch.pth repeats the words)
 
 TYPE_CHECKING = False  # typing is not imported for this (mypy reads the names below)
 if TYPE_CHECKING:
@@ -25,16 +23,39 @@ def all_patches() -> dict[str, Patch]:
     global _cache
     if _cache is None:
         found = {}
-        for name in _patches_pkg.MODULES:
-            module = f"{_patches_pkg.__name__}.{name}"
-            patch = importlib.import_module(module).PATCH
-            if patch.reproducers is None:  # beside it: <patch module>_reproducers.py
-                patch.reproducers = f"{module}_reproducers"
-            if patch.id in found:
-                raise RuntimeError(f"dspatch: two patches declare the id {patch.id!r}")
+        for package, name in patch_folders():
+            module = f"{_patches_pkg.__name__}.{package}.{name}"
+            patch = _declared(importlib.import_module(module), package, name)
+            patch.reproducers = f"{module}.reproducers"
             found[patch.id] = patch
         _cache = found
     return _cache
+
+
+def patch_folders() -> list[tuple[str, str]]:
+    """(package, name) of every folder dspatch/patches/<package>/<name>/ with an __init__.py, by package and name:
+    the registry's order (the order patches apply in, and their rows)."""
+    root = os.path.dirname(_patches_pkg.__file__)
+    return [(package, name) for package in distribution_folders(root)
+            for name in sorted(os.listdir(os.path.join(root, package)))
+            if os.path.isfile(os.path.join(root, package, name, "__init__.py"))]
+
+
+def _declared(module, package: str, name: str) -> Patch:
+    """A patch folder must declare one Patch whose id is its path (`deepspeed/zero3_module_id` for
+    deepspeed/zero3-module-id) and its reproducers beside it: a misnamed or half-written folder stops the registry
+    with the reason, rather than loading under an id nobody can find."""
+    from dspatch.spec import Patch  # noqa: F811 (the run-time name of the annotation's)
+
+    where, patch = module.__name__, getattr(module, "PATCH", None)
+    if not isinstance(patch, Patch):
+        raise RuntimeError(f"dspatch: {where} declares no PATCH (a dspatch.spec.Patch)")
+    if patch.id != f"{package}/{name.replace('_', '-')}" or patch.distribution != package:
+        raise RuntimeError(f"dspatch: {where} declares {patch.id!r} for {patch.distribution!r}; its folder makes it "
+                           f"'{package}/{name.replace('_', '-')}' for {package!r}")
+    if not os.path.isfile(os.path.join(os.path.dirname(module.__file__), "reproducers.py")):
+        raise RuntimeError(f"dspatch: {where} has no reproducers.py beside it")
+    return patch
 
 
 class SelectionError(ValueError):
@@ -54,8 +75,8 @@ def closest(token, known=None):
     """The known id a mistyped one most likely meant, or None."""
     known = list(all_patches()) if known is None else list(known)
     starting = [pid for pid in known if pid.startswith(token)]
-    if starting:
-        return starting[0]
+    if starting:  # the one that adds the least to what was typed
+        return min(starting, key=lambda pid: (len(pid), pid))
     import difflib  # only on this error's path
 
     found = difflib.get_close_matches(token, known, n=1, cutoff=0.6)

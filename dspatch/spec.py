@@ -102,21 +102,9 @@ class Patch:
       so a failure part-way leaves nothing behind and `revert` can undo it.
     - `targets`: the fingerprint table, {(module, qualname): {fingerprint: releases}}, or Target objects (for code
       that moved between modules across releases: Target(..., releases=...)).
-    - reproducers: real-upstream scenarios, in the module beside the patch's own named `<patch module>_reproducers`
-      (loaded only by `--verify` and the tests, through the properties that read it; importable without torch). It
-      defines `SCENARIOS` ({name: callable}: each returns None when behaviour is correct and raises `BugSeen`
-      when the bug shows, see dspatch.verify), `EXPECTED_ON_STOCK` ({scenario: fragment of its BugSeen message}
-      that stock upstream must show, the proof that the patch is needed; only that failure counts as the bug),
-      `RELEASES_CHECKED` ((first, last) release that tests/test_releases.py checks), optionally
-      `STOCK_FAILS_ON` ({scenario: PEP 440 specifier}: the releases of the distribution whose stock shows that
-      failure, where stock passes the scenario on the others; or {scenario: {distribution: specifier, or a tuple
-      of specifiers of which any will do}}, where it takes other packages' releases too), `BAND_CHECK` (the
-      cheapest reproducer, run on the released source of each diff band no test stack installs; default: the first
-      of EXPECTED_ON_STOCK),
-      `OTHERS_WITH_AND_WITHOUT` (for `requires`: ({other: a version with the bug's need}, {other: one without}),
-      for the release suite), `SILENT` (why `explain` cannot name a bug that writes nothing to a log; with
-      `LOUD_ON`, a specifier, the releases where it writes an error instead, which `signatures` name) and
-      `NECESSITY_PROVEN_BY` ("test_x.py::test": the test that proves each target necessary instead).
+    - reproducers: real-upstream scenarios, in `reproducers.py` beside the patch's own module (its folder), which
+      declares them and what they prove as `PROOF`, a `Proof` (see there); loaded only by `dspatch verify` and the
+      tests, through the properties that read it; importable without torch.
     - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
     - `fixed_marker`: optional (module, qualname) of a definition that exists only once upstream's fix is in;
       how a build that is not a plain release (git, dev, local) is recognised as fixed.
@@ -189,14 +177,14 @@ class Patch:
     @property
     def scenarios(self):
         """{name: reproducer}, from the reproducers module (imported on first use)."""
-        return dict(self._declared("SCENARIOS", {}))
+        return dict(self._declared("scenarios", {}))
 
     @property
     def declared_on_stock(self):
         """{scenario: (fragment, releases)}: every stock failure declared, with the specifier of the releases that
         show it (None: every release the patch applies to)."""
-        only = self._declared("STOCK_FAILS_ON", {})
-        return {name: (fragment, only.get(name)) for name, fragment in self._declared("EXPECTED_ON_STOCK", {}).items()}
+        only = self._declared("stock_fails_on", {})
+        return {name: (fragment, only.get(name)) for name, fragment in self._declared("expected_on_stock", {}).items()}
 
     @property
     def expected_on_stock(self):
@@ -209,40 +197,46 @@ class Patch:
 
     @property
     def band_check(self):
-        return self._declared("BAND_CHECK", None) or next(iter(self.expected_on_stock or self.declared_on_stock), None)
+        return self._declared("band_check", None) or next(iter(self.expected_on_stock or self.declared_on_stock), None)
 
     def _declared(self, name, default):
-        """What the reproducers module declares under `name`, or `default` (no such name, or no module)."""
+        """What the reproducers module's PROOF declares as `name`, or `default` (no module)."""
         module = self._reproducers()
-        return getattr(module, name, default) if module else default
+        if module is None:
+            return default
+        proof = getattr(module, "PROOF", None)
+        if not isinstance(proof, Proof):
+            raise TypeError(f"{self.id}: {module.__name__} declares no PROOF (a dspatch.spec.Proof)")
+        found = getattr(proof, name)
+        return default if found is None else found
 
     @property
     def releases_checked(self):
         """(first, last) release of the distribution that tests/test_releases.py checks; None: not declared."""
-        found = self._declared("RELEASES_CHECKED", None)
+        found = self._declared("releases_checked", None)
         return tuple(found) if found else None
 
     @property
     def others_with_and_without(self):
         """({other distribution: version with the bug's need}, {...: version without}); None: not declared."""
-        found = self._declared("OTHERS_WITH_AND_WITHOUT", None)
+        found = self._declared("others_with_and_without", None)
         return (dict(found[0]), dict(found[1])) if found else None
 
     @property
     def silent(self):
         """Why `python -m dspatch.explain` cannot name the bug (it writes nothing to a log); "": it can."""
-        return self._declared("SILENT", "")
+        return self._declared("silent", "")
 
     @property
     def loud_on(self):
         """For a bug `silent` on some releases only: those (a PEP 440 specifier) where it writes an error instead,
-        which its `signatures` name (`LOUD_ON` in the reproducers module); "": none."""
-        return self._declared("LOUD_ON", "")
+        which its `signatures` name (the reproducers' `Proof.loud_on`); "": none."""
+        return self._declared("loud_on", "")
 
     @property
     def necessity_proven_by(self):
         """The test ("file.py::test") that proves each target necessary in place of --leave-out-each; "": none."""
-        return self._declared("NECESSITY_PROVEN_BY", "")
+        return self._declared("necessity_proven_by", "")
 
     def targets_for(self, version):
         """The targets release `version` of the distribution has: those whose `releases` contain it, and those
@@ -289,6 +283,53 @@ class Patch:
 
     def __repr__(self):
         return f"<Patch {self.id}>"
+
+
+# a STOCK_FAILS_ON entry: a specifier of the patch's distribution, or {distribution: specifier or specifiers (any)}
+StockFailsOn = Union[str, Mapping[str, Union[str, tuple[str, ...]]]]
+
+
+class Proof:
+    """What a patch's reproducers prove, declared once as `PROOF = Proof(...)` at the end of its reproducers.py (mypy
+    checks the declaration against this signature; the registry's tests check what a signature cannot).
+
+    - `scenarios`: {name: callable}: each returns None when behaviour is correct and raises `BugSeen` when the bug
+      shows (see dspatch.verify).
+    - `expected_on_stock`: {scenario: fragment of its BugSeen message} that stock upstream must show, the proof that
+      the patch is needed; only that failure counts as the bug.
+    - `releases_checked`: (first, last) release of the distribution that tests/test_releases.py checks.
+    - `stock_fails_on`: {scenario: PEP 440 specifier}: the releases whose stock shows that failure, where stock
+      passes the scenario on the others; or {scenario: {distribution: specifier, or a tuple of specifiers of which
+      any will do}} where it takes other packages' releases too.
+    - `band_check`: the cheapest reproducer, run on the released source of each diff band no test stack installs
+      (default: the first of expected_on_stock).
+    - `others_with_and_without`: for `requires`: ({other: a version with the bug's need}, {other: one without}), for
+      the release suite.
+    - `silent`: why `explain` cannot name a bug that writes nothing to a log; with `loud_on`, a specifier, the
+      releases where it writes an error instead, which the patch's `signatures` name.
+    - `necessity_proven_by`: "test_x.py::test", a test of the patch's own folder that proves each target necessary
+      in place of the shared proof.
+    """
+
+    def __init__(self, scenarios: Mapping[str, Callable[[], None]], expected_on_stock: Mapping[str, str],
+                 releases_checked: tuple[str, str], stock_fails_on: Optional[Mapping[str, StockFailsOn]] = None,
+                 band_check: Optional[str] = None,
+                 others_with_and_without: Optional[tuple[Mapping[str, Optional[str]],
+                                                         Mapping[str, Optional[str]]]] = None,
+                 silent: str = "", loud_on: str = "", necessity_proven_by: str = "") -> None:
+        self.scenarios = dict(scenarios)
+        self.expected_on_stock = dict(expected_on_stock)
+        self.releases_checked = tuple(releases_checked)
+        self.stock_fails_on = dict(stock_fails_on or {})
+        self.band_check = band_check
+        self.others_with_and_without = others_with_and_without
+        self.silent = silent
+        self.loud_on = loud_on
+        self.necessity_proven_by = necessity_proven_by
+        unknown = set(self.expected_on_stock) - set(self.scenarios)
+        if unknown or not self.expected_on_stock or (band_check and band_check not in self.scenarios):
+            raise TypeError(f"Proof: expected_on_stock names no scenario of its own ({sorted(unknown)}), or is empty, "
+                            f"or band_check {band_check!r} is not a scenario")
 
 
 class BugSeen(AssertionError):

@@ -8,7 +8,7 @@ import os
 import sys
 
 import dspatch._runtime
-from dspatch.patches.deepspeed.zero3_module_id_reproducers import expert_ids_through_training
+from dspatch.patches.deepspeed.zero3_module_id.reproducers import expert_ids_through_training
 from dspatch.scenario import leave_and_exit
 
 

@@ -32,7 +32,22 @@ HEAVY_FIRST = ("test_proofs_fixes.py", "test_proofs_diffs.py", "test_proofs_band
                "test_peft_zero3_save.py", "test_deepspeed_no_sync.py")
 
 
+# A session outside the matrix proves the patches it names (noxfile: DSPATCH_PROVE, a JSON list of ids), no others:
+# the tests of any other patch, and dspatch's own, are deselected. Ids, not -k substrings: a substring can miss a
+# test or catch another patch's (a6fee7b), an id is checked against the registry.
+PROVE = json.loads(os.environ.get("DSPATCH_PROVE") or "null")
+
+
 def pytest_collection_modifyitems(config, items):
+    if PROVE is not None:
+        from dspatch import registry
+
+        unknown = set(PROVE) - set(registry.all_patches())
+        if unknown:
+            raise pytest.UsageError(f"DSPATCH_PROVE names no patch: {sorted(unknown)}")
+        kept = [item for item in items if _patch_of(item) in PROVE or _proves_nothing(item)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
     rank = {name: number for number, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: files stay whole
     for item in items:
@@ -267,13 +282,23 @@ def run_ranks(args, env, fresh, check=True, **kwargs):
 
 
 # Seconds per patch: every stack session ends with what each patch's proofs cost on that stack (the cost of a
-# patch, kept visible as the catalogue grows). A test counts for the patch it names: its `pid` parameter, else
-# its module's PID or PATCH; the rest (runtime, harness, launchers) is "(shared)".
+# patch, kept visible as the catalogue grows). A test counts for the patch it names: its `pid` parameter, else the
+# patch whose folder it is in; the rest (runtime, harness, launchers) is "(shared)".
+PATCHES_DIR = os.path.join(ROOT, "dspatch", "patches")
+
+
 def _patch_of(item):
     pid = getattr(getattr(item, "callspec", None), "params", {}).get("pid")
     if pid is None:
-        pid = getattr(item.module, "PID", None) or getattr(getattr(item.module, "PATCH", None), "id", None)
+        where = os.path.relpath(str(item.fspath), PATCHES_DIR).split(os.sep)
+        if len(where) == 3 and where[0] != "..":  # <package>/<name>/test_x.py
+            pid = f"{where[0]}/{where[1].replace('_', '-')}"
     return pid if isinstance(pid, str) and "/" in pid else "(shared)"
+
+
+def _proves_nothing(item):
+    """A proof parametrized with no patch at all (nothing applies here): kept, so that it fails (nothing_to_prove)."""
+    return getattr(getattr(item, "callspec", None), "params", {}).get("pid") == "none-applies-here"
 
 
 _seconds = {}

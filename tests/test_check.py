@@ -103,7 +103,7 @@ def test_malformed_dspatch_is_a_clear_error():
 def test_disabled_patch_says_so():
     proc = run_python(["-m", "dspatch.apply", "--check", "--json"],
                       env=clean_env(DSPATCH="1", DSPATCH_DISABLE="deepspeed/zero3-module-id"))
-    row = json.loads(proc.stdout)["patches"][0]
+    row = next(r for r in json.loads(proc.stdout)["patches"] if r["id"] == "deepspeed/zero3-module-id")
     assert row["verdict"] == gating.DISABLED and "DSPATCH_DISABLE" in row["reason"]
 
 

@@ -15,7 +15,7 @@ from conftest import ROOT, clean_env, run_python
 
 COMMAND = os.path.join(os.path.dirname(sys.executable), "dspatch")
 ID = "deepspeed/engine-module-hint"  # a patch of every deepspeed release
-LOG = os.path.join(ROOT, "tests", "explain_logs", "hf", "hf-nosync-01.log")  # a real user's log (its header aside)
+LOG = os.path.join(ROOT, "dspatch", "patches", "accelerate", "deepspeed_no_sync", "logs", "hf-nosync-01.log")  # a real user's log (its header aside)
 unit = pytest.mark.unit_only
 
 

@@ -27,7 +27,7 @@ PROFILERS = r'''
 import functools, json, deepspeed, dspatch
 from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as O
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
-from dspatch.patches.deepspeed import zero3_module_id_reproducers as p
+from dspatch.patches.deepspeed.zero3_module_id import reproducers as p
 from dspatch.spec import BugSeen
 calls = {"fetch": 0, "register": 0}
 

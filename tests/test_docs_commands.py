@@ -65,7 +65,7 @@ def fill(command):
 
 
 def _fixtures(folder):
-    log = os.path.join(ROOT, "tests", "explain_logs", "hf", "hf-nosync-01.log")
+    log = os.path.join(ROOT, "dspatch", "patches", "accelerate", "deepspeed_no_sync", "logs", "hf-nosync-01.log")
     body = [line for line in open(log, encoding="utf-8").read().splitlines() if not line.startswith("# ")]
     (folder / "job.log").write_text("\n".join(body) + "\n")
     (folder / "train.py").write_text("import sys\nprint('trained', sys.argv[1:])\n")

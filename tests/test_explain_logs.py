@@ -1,4 +1,5 @@
-"""dspatch.explain on logs real users pasted into public upstream threads (tests/explain_logs/).
+"""dspatch.explain on logs real users pasted into public upstream threads: a patch's in its folder's logs/, the
+look-alikes that are no patch's bug in tests/explain_logs/.
 
 Each file is one log: a header (`# source:` the thread, `# expect:` the patch whose bug it shows, `none` for a
 failure that looks alike but has another cause, `ambiguous` where the thread itself cannot say; `# why:` how the
@@ -22,7 +23,9 @@ from dspatch.explain import logfile, match
 pytestmark = pytest.mark.unit_only
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "explain_logs")
-LOGS = sorted(glob.glob(os.path.join(FOLDER, "*", "*.log")))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWN = os.path.join(ROOT, "dspatch", "patches")  # <package>/<name>/logs/*.log: the logs of that patch's bug
+LOGS = sorted(glob.glob(os.path.join(FOLDER, "*", "*.log"))) + sorted(glob.glob(os.path.join(OWN, "*", "*", "logs", "*.log")))
 PATCHES = registry.all_patches()
 HEADER = re.compile(r"^# (source|expect|why|versions|environment|decides): (.*)$")
 
@@ -58,13 +61,17 @@ def test_the_logs_are_as_described():
     for path in LOGS:
         header, text = read(path)
         assert re.match(r"https://github\.com/[\w.-]+/[\w.-]+/(issues|pull)/\d+$", header["source"]), path
-        assert header["expect"] in ("none", "ambiguous") or header["expect"] in PATCHES, path
+        if path.startswith(FOLDER):
+            assert header["expect"] in ("none", "ambiguous"), path  # a log of a patch's bug goes to its folder
+        else:  # in the folder of the patch it shows
+            package, name = os.path.relpath(path, OWN).split(os.sep)[:2]
+            assert header["expect"] == f"{package}/{name.replace('_', '-')}", path
         assert header.get("why") and text.strip(), path
         elsewhere += header["source"] not in linked
     assert elsewhere >= len(LOGS) / 3  # at least a third from threads the patches do not link
 
 
-@pytest.mark.parametrize("path", LOGS, ids=[os.path.relpath(p, FOLDER) for p in LOGS])
+@pytest.mark.parametrize("path", LOGS, ids=[os.path.relpath(p, FOLDER if p.startswith(FOLDER) else OWN) for p in LOGS])
 def test_explain_on_a_real_log(path, monkeypatch):
     header, named, undecided, also = verdict(path, monkeypatch)
     expect = header["expect"]

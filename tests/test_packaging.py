@@ -52,8 +52,11 @@ def test_wheel_install_activate_uninstall(tmp_path):
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
-    assert "dspatch.pth" in names and "dspatch/patches/deepspeed/zero3_module_id.py" in names
+    assert "dspatch.pth" in names and "dspatch/patches/deepspeed/zero3_module_id/__init__.py" in names
+    assert "dspatch/patches/deepspeed/zero3_module_id/reproducers.py" in names
     assert not [n for n in names if n.startswith(("patches/", "tests/", "upstream_prs/"))]
+    # a patch's own tests and logs, and their fixtures, stay in the repository
+    assert not [n for n in names if os.path.basename(n).startswith(("test_", "conftest")) or "/logs/" in n]
     assert any(n.startswith("dspatch/upstream_prs/deepspeed/0001-") for n in names)
     python = _venv(tmp_path / "venv")
     _pip(python, str(wheel))
@@ -73,8 +76,8 @@ def test_editable_install_activate_uninstall(tmp_path):
     assert _activation(python) == ([], ["dspatch", "dspatch._boot", "dspatch._hook"])
     code = "import dspatch.patches.deepspeed.zero3_module_id as m, os; print(m.__file__)"
     out = subprocess.run([python, "-c", code], check=True, capture_output=True, text=True, cwd="/").stdout
-    assert out.strip() == os.path.join(ROOT, "patches", "deepspeed", "zero3_module_id.py")
-    assert _check_json(python)["patches"][0]["id"] == "deepspeed/zero3-module-id"
+    assert out.strip() == os.path.join(ROOT, "dspatch", "patches", "deepspeed", "zero3_module_id", "__init__.py")
+    assert "deepspeed/zero3-module-id" in [row["id"] for row in _check_json(python)["patches"]]
     _uninstall(python)
     assert _site_entries(python) == []
 

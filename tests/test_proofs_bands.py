@@ -143,15 +143,14 @@ def _old_session_runs_bands(patch):
 
 def _small_session_running(pid, distribution, band):
     """The session outside the matrix that proves `band` of patch `pid`: one that installs a release of the band and
-    whose keywords select the patch (noxfile passes DSPATCH_SMALL and the keywords, "a or b", as DSPATCH_SMALL_SELECTS);
-    None where none does."""
+    that proves the patch (noxfile passes DSPATCH_SMALL and, as DSPATCH_SMALL_PROVES, the ids each proves); None where
+    none does."""
     from packaging.specifiers import SpecifierSet
 
     small = json.loads(os.environ.get("DSPATCH_SMALL", "{}"))
-    selects = json.loads(os.environ.get("DSPATCH_SMALL_SELECTS", "{}"))
+    proves = json.loads(os.environ.get("DSPATCH_SMALL_PROVES", "{}"))
     for name, pins in small.items():
-        if any(SpecifierSet(band).contains(v) for v in _pinned(pins, distribution)) and \
-                any(word.strip() in pid for word in selects.get(name, "").split(" or ") if word.strip()):
+        if any(SpecifierSet(band).contains(v) for v in _pinned(pins, distribution)) and pid in proves.get(name, ()):
             return name
     return None
 

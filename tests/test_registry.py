@@ -1,33 +1,29 @@
 """The registry, selection rules and fingerprints: pure Python, no upstream package needed."""
 import ast
-import difflib
+import glob
 import importlib
 import os
-import pkgutil
-import re
 
 import pytest
 
 from dspatch import data_dir, gating, registry
 from dspatch import upstream
-from dspatch.spec import Patch, Target
+from dspatch.spec import Patch, Proof, Target
 from dspatch.versions import Version
 
 from conftest import ROOT
 
 
-def test_every_patch_module_is_registered_and_complete():
+def test_every_patch_folder_is_registered_and_complete():
+    """The registry is the folders: every folder under dspatch/patches/<package>/ with Python in it is a patch, with
+    its fix and its reproducers (a folder missing one would otherwise be skipped without a word)."""
     patches = registry.all_patches()
-    found = set()
-    for group in ("deepspeed", "accelerate", "trl", "transformers"):
-        folder = os.path.join(ROOT, "patches", group)
-        if os.path.isdir(folder):
-            found |= {f"{group}.{m.name}" for m in pkgutil.iter_modules([folder])}
-    from dspatch import patches as package
-
-    # each patch module and, beside it, its reproducers
-    assert found == set(package.MODULES) | {f"{m}_reproducers" for m in package.MODULES}, \
-        "a patch module exists that the registry does not list (or vice versa), or one lacks its reproducers"
+    root = os.path.join(ROOT, "dspatch", "patches")
+    folders = {os.path.relpath(os.path.dirname(path), root)
+               for path in glob.glob(os.path.join(root, "*", "*", "*.py"))}
+    assert folders == {f"{p.distribution}/{p.id.split('/', 1)[1].replace('-', '_')}" for p in patches.values()}
+    for folder in folders:
+        assert {"__init__.py", "reproducers.py"} <= set(os.listdir(os.path.join(root, folder))), folder
     for pid, patch in patches.items():
         assert isinstance(patch, Patch) and pid.startswith(patch.distribution + "/")
         assert patch.targets and all(t.fingerprints for t in patch.targets), pid
@@ -51,33 +47,24 @@ def test_every_patched_package_is_watched():
     assert set(warm.WATCHED) == set(_hook.WATCHED)
 
 
-# What a reproducers module declares for dspatch.spec.Patch to read (see its docstring), and nothing else like it.
-DECLARED = {"SCENARIOS", "EXPECTED_ON_STOCK", "STOCK_FAILS_ON", "BAND_CHECK", "RELEASES_CHECKED",
-            "OTHERS_WITH_AND_WITHOUT", "SILENT", "LOUD_ON", "NECESSITY_PROVEN_BY"}
-
-
-def _looks_declared(name):
-    """A name the suites could be meant to read: it shares a word with a declared one or nearly spells one (an old
-    table's name, a typo: OTHERS, RELEASE_CHECKED, SILENCE); a module's own constants (STEPS, ZIP) do not."""
-    def words(n):
-        return {re.sub("(ED|S)$", "", w) for w in n.split("_") if w not in ("ON", "AND", "WITH", "BY")}
-    return bool(words(name) & set().union(*map(words, DECLARED))) or \
-        bool(difflib.get_close_matches(name, DECLARED, cutoff=0.75))
-
-
-def test_reproducers_declare_only_what_the_suites_read():
-    assert all(map(_looks_declared, ["OTHERS", "CHECKED", "RELEASE_CHECKED", "SILENCE", "BANDCHECK"]))
+def test_every_reproducers_module_declares_one_proof():
+    """The proof settings are one typed object (dspatch.spec.Proof), not names read back as strings: a module that
+    still declares an old ALL_CAPS setting would have it ignored without a word."""
+    old = {"SCENARIOS", "EXPECTED_ON_STOCK", "STOCK_FAILS_ON", "BAND_CHECK", "RELEASES_CHECKED",
+           "OTHERS_WITH_AND_WITHOUT", "SILENT", "LOUD_ON", "NECESSITY_PROVEN_BY"}
     for pid, patch in registry.all_patches().items():
-        names = {n for n in vars(importlib.import_module(patch.reproducers)) if n.isupper()}
-        assert not {n for n in names - DECLARED if _looks_declared(n)}, (pid, "misspelt or undocumented declaration")
+        module = importlib.import_module(patch.reproducers)
+        assert isinstance(module.PROOF, Proof), pid
+        assert not old & set(vars(module)), (pid, "an ALL_CAPS proof setting: declare it in PROOF")
+        assert set(module.PROOF.stock_fails_on) <= set(module.PROOF.scenarios), pid
         first, last = patch.releases_checked or ("0", "0")
-        assert Version(first) < Version(last), (pid, "RELEASES_CHECKED: its first and last release")
+        assert Version(first) < Version(last), (pid, "releases_checked: its first and last release")
         if patch.others_with_and_without or patch.requires:  # each package it requires, with the bug's need and not
             assert all(set(v) == set(patch.requires) for v in patch.others_with_and_without or [{}]), pid
-        assert isinstance(patch.silent, str) and isinstance(patch.necessity_proven_by, str), pid
-        if patch.necessity_proven_by:
+        if patch.necessity_proven_by:  # a test of the patch's own folder
             path, _, test = patch.necessity_proven_by.partition("::")
-            assert f"def {test}(" in open(os.path.join(ROOT, "tests", path)).read(), (pid, patch.necessity_proven_by)
+            own = os.path.join(os.path.dirname(module.__file__), path)
+            assert f"def {test}(" in open(own).read(), (pid, patch.necessity_proven_by)
 
 
 @pytest.mark.parametrize("value", ["1", "all", "ALL", "true", " yes "])

@@ -35,7 +35,10 @@ BASE = ("numpy", "torch", "torch.distributed", "safetensors.torch")  # numpy fir
 BESIDE = ("torch._dynamo", "torch.distributed.tensor", "sympy", "pydantic", "requests", "huggingface_hub",
           "datasets")  # datasets (pandas, pyarrow): 2-4 s in every run that imports trl or the Trainer's data code
 STACK = ("deepspeed", "transformers", "transformers.trainer", "accelerate", "peft", "trl")
-WATCHED = ("deepspeed", "transformers", "accelerate", "trl")  # dspatch._hook.WATCHED
+# dspatch._hook.WATCHED, read the same way (this module must not import dspatch): the folders of dspatch/patches/
+_PATCHES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dspatch", "patches")
+WATCHED = tuple(sorted(name for name in os.listdir(_PATCHES) if not name.startswith("_")
+                       and os.path.isfile(os.path.join(_PATCHES, name, "__init__.py"))))
 
 
 def _lazy(env):

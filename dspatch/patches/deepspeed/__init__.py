@@ -1,0 +1,1 @@
+"""Patches for deepspeed: one folder each (see dspatch/patches/__init__.py)."""

@@ -1,0 +1,1 @@
+"""Patches for transformers: one folder each (see dspatch/patches/__init__.py)."""
