@@ -144,10 +144,10 @@ def stack_session(name):
     @nox.session(python="3.11", name=name)
     def run(session):
         install_stack(session, name)
-        # the small sessions' pins and patches: a diff band one of them proves is not run again here
+        # the small sessions' pins: a diff band one of them proves is not run again here
         session.run("pytest", "-m", "not unit_only", *XDIST, *session.posargs,
                     env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS),
-                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_SMALL_PROVES": json.dumps(PROVES),
+                         "DSPATCH_SMALL": json.dumps(SMALL),
                          "DSPATCH_PINS": json.dumps([TORCH, *STACKS[name]])})
 
     run.__doc__ = f"Every patch proven against real {', '.join(STACKS[name])} (torch 2.13 CPU)."
@@ -158,62 +158,55 @@ for _name in STACKS:
     globals()[_name] = stack_session(_name)
 
 PROOFS = ["tests/test_proofs.py", "tests/test_proofs_fixes.py", "tests/test_proofs_diffs.py"]
-PROVES = {}  # {session outside the matrix: the ids of the patches it proves}, filled below
+# the folders of the patches that name a session in their Proof (proven_in, own_tests_in), read in that session
+_FOLDERS_NAMING = """import json, sys
+from dspatch import registry
+named = [p for p in registry.all_patches().values() if sys.argv[1] in (*p.proven_in, *p.own_tests_in)]
+print(json.dumps(["/".join(p.reproducers.split(".")[:-1]) for p in named]))"""
 
 
-def proving_session(name, pins, ids, doc, proofs=(*PROOFS, "tests/test_proofs_bands.py"), also=()):
-    """A session outside the matrix: the proofs (`proofs`) of the patches `ids` names on `pins`, and those patches' own
-    tests (their folders), nothing else: conftest deselects every other patch's tests by id (DSPATCH_PROVE), and a
-    stated id that does not apply to the pins fails (tests/test_proofs.py). `also`: shared test files whose tests of
-    these patches belong here too."""
-    PROVES[name] = list(ids)
+def proving_session(name, pins, doc, proofs=(*PROOFS, "tests/test_proofs_bands.py"), also=()):
+    """A session outside the matrix: on `pins`, the proofs (`proofs`) and own tests of the patches whose Proof names
+    this session (proven_in; own_tests_in: their own tests only), nothing else: the patches choose their sessions,
+    conftest deselects every other patch's tests, and a session no patch names stops. `also`: shared test files whose
+    tests of those patches belong here too."""
 
     @nox.session(python="3.11", name=name)
     def run(session):
         install_once(session, TORCH)
         install_once(session, *pins)
         install_dspatch(session, "wrapt>=2.5", "packaging", *TEST_TOOLS)
-        folders = [f"dspatch/patches/{pid.split('/')[0]}/{pid.split('/')[1].replace('-', '_')}" for pid in ids]
+        folders = json.loads(session.run("python", "-c", _FOLDERS_NAMING, name, silent=True).strip().splitlines()[-1])
+        # each folder's own tests, from this checkout (the wheel installed holds no tests)
         own = [folder for folder in folders if glob.glob(os.path.join(folder, "test_*.py"))]
         session.run("pytest", "-m", "not unit_only", *XDIST, *proofs, *also, *own, *session.posargs,
                     env={**TEST_ENV, "DSPATCH_TEST_STACK": name, "DSPATCH_MATRIX": json.dumps(STACKS),
-                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_PROVE": json.dumps(list(ids)),
-                         "DSPATCH_PINS": json.dumps([TORCH, *pins])})
+                         "DSPATCH_SMALL": json.dumps(SMALL), "DSPATCH_PINS": json.dumps([TORCH, *pins])})
 
     run.__doc__ = f"{doc} ({', '.join(pins)}, torch 2.13 CPU)"
     return run
 
 
-trl_tf5 = proving_session("trl_tf5", TRL_TF5, ["trl/ppo-deepspeed-save"],
-                          "trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers 5.23.0: its own tests, "
-                          "and the monkeypatch's and the diff's proofs every patch owes", proofs=PROOFS[1:])
-tf444_ds16 = proving_session("tf444_ds16", TF444_DS16, ["transformers/deepspeed-prefetch-bucket-int"],
-                             "transformers/deepspeed-prefetch-bucket-int proven on transformers 4.44.2 with deepspeed "
-                             "0.16.3", proofs=PROOFS)
+trl_tf5 = proving_session("trl_tf5", TRL_TF5, "trl/ppo-deepspeed-save proven against trl 1.12.0 with transformers "
+                          "5.23.0: its own tests, and the monkeypatch's and the diff's proofs every patch owes",
+                          proofs=PROOFS[1:])
+tf444_ds16 = proving_session("tf444_ds16", TF444_DS16, "transformers/deepspeed-prefetch-bucket-int proven on "
+                             "transformers 4.44.2 with deepspeed 0.16.3", proofs=PROOFS)
 ds0183 = proving_session("ds0183", SMALL["ds0183"],
-                         ["deepspeed/backward-scale-wrt-gas", "deepspeed/output-hooks-gas-per-tensor",
-                          "deepspeed/zero0-bf16-grads", "deepspeed/pipe-grad-accum-scale",
-                          "deepspeed/lr-schedules-multigroup", "deepspeed/zero3-allreduce-fetch-padding",
-                          "deepspeed/zero3-moe-leaf-modules", "deepspeed/zero12-backward-twice"],
                          "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
                          "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
                          "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of "
-                         "zero3-allreduce-fetch-padding, 0.18.3-0.18.4 of zero12-backward-twice",
-                         also=["tests/test_canary.py"])
+                         "zero3-allreduce-fetch-padding, 0.18.3-0.18.4 of zero12-backward-twice; "
+                         "zero3-moe-leaf-modules' own tests (the user's choices win)", also=["tests/test_canary.py"])
 ds0182 = proving_session("ds0182", SMALL["ds0182"],
-                         ["deepspeed/zero2-grad-accum-last-microbatch", "deepspeed/grad-accum-scale-no-allreduce",
-                          "deepspeed/zero0-bf16-grads", "deepspeed/zero12-backward-twice"],
                          "ZeRO-2 keeping the last micro-batch (zero2-grad-accum-last-microbatch); the last release of "
                          "grad-accum-scale-no-allreduce, its other bands' newest releases; bf16 at stage 0 "
                          "(zero0-bf16-grads); the TypeError band of zero12-backward-twice", also=["tests/test_canary.py"])
 ds0192 = proving_session("ds0192", SMALL["ds0192"],
-                         ["deepspeed/zero3-lora-mixed-dtype-allgather", "deepspeed/zero3-gather-handle-waited-once",
-                          "deepspeed/zero12-backward-twice"],
                          "ZeRO-3 + LoRA's fp32 adapters on a bf16 base (zero3-lora-mixed-dtype-allgather); a gather "
                          "handle waited twice (zero3-gather-handle-waited-once); the 0.18.5-0.19.7 bands of "
                          "zero12-backward-twice")
 ds0198 = proving_session("ds0198", SMALL["ds0198"],
-                         ["transformers/deepspeed-warmup-zero", "accelerate/deepspeed-warmup-zero"],
                          "deepspeed >= 0.19.3 refusing the warmup of 0 that transformers < 5.18 and accelerate < 1.15 "
                          "fill (transformers/deepspeed-warmup-zero, accelerate/deepspeed-warmup-zero)")
 

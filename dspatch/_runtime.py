@@ -8,6 +8,7 @@ import sys
 import threading
 
 from dspatch import _hook, gating, registry
+from dspatch.changes import AttributeChange, CodeChange, wrapper_type
 
 class _State:
     """What this process has selected, applied and said: one object, guarded by its one lock."""
@@ -312,92 +313,6 @@ def revert(ids=None, force=False):
         return done
 
 
-def lookup(module, qualname):
-    """The object `qualname` names in `module` now (how a patched function or wrapper pickles: by name, as
-    a plain function does)."""
-    import importlib
-
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-_wrapper_class = None
-
-
-def _wrapper_type():
-    """wrapt.FunctionWrapper that copies and pickles like the function it wraps (by reference), so a patched
-    method behaves as a stock one under copy, deepcopy and pickle (wrapt's proxies refuse by default)."""
-    global _wrapper_class  # a type made once, on first use (wrapt imported only when a patch applies)
-    if _wrapper_class is None:
-        import wrapt
-
-        def by_name(self):
-            instance = getattr(self, "_self_instance", None)
-            if instance is not None:  # a bound method pickles as getattr(instance, name), as stock
-                return getattr, (instance, self.__name__)
-            return lookup, (self.__module__, self.__qualname__)
-
-        def same(self, *memo):
-            return self
-
-        members = {"__reduce__": by_name, "__reduce_ex__": lambda self, protocol: by_name(self),
-                   "__copy__": same, "__deepcopy__": same}
-        bound = type("BoundPatchWrapper", (wrapt.BoundFunctionWrapper,), dict(members))
-        _wrapper_class = type("PatchWrapper", (wrapt.FunctionWrapper,),
-                              dict(members, __bound_function_wrapper__=bound))
-    return _wrapper_class
-
-
-class _CodeChange:
-    """A function object of upstream's whose `__code__` was swapped for a rebuilt one. Undone by swapping it
-    back, whoever holds the function (the class, decorators, another tool's wrapper) and wherever."""
-
-    def __init__(self, target, function, old, new):
-        self.target, self.function, self.old, self.new = target, function, old, new
-
-    def describe(self):
-        return f"{self.target}: code rebuilt in place"
-
-    def intact(self, txn):
-        owner, name, value = txn.resolve(self.target)
-        from dspatch.rewrite import upstream_function
-
-        return upstream_function(value, self.target, self.function.__code__.co_filename) is self.function \
-            and self.function.__code__ is self.new
-
-    def blocked(self):
-        return None if self.function.__code__ is self.new else f"{self.target}"
-
-    def undo(self):
-        if self.function.__code__ is self.new:  # never undo someone else's later change (revert checks first)
-            self.function.__code__ = self.old
-
-
-class _AttributeChange:
-    """A wrapper installed on a class or module attribute, on top of whatever was there."""
-
-    def __init__(self, target, owner, name, previous, installed, switch):
-        self.target, self.owner, self.name = target, owner, name
-        self.previous, self.installed, self.switch = previous, installed, switch
-
-    def describe(self):
-        return f"{self.target}: wrapped"
-
-    def intact(self, txn):
-        return vars(self.owner).get(self.name) is self.installed and txn.resolve(self.target)[0] is self.owner
-
-    def blocked(self):
-        return None  # a wrapper can always be switched to a pass-through
-
-    def undo(self):
-        self.switch["on"] = False  # from now on the wrapper only forwards, wherever it still sits
-        if vars(self.owner).get(self.name) is self.installed:
-            setattr(self.owner, self.name, self.previous)
-        # else another tool wrapped ours since: it stays, and ours inside it is a plain pass-through now
-
-
 class Transaction:
     """The changes one patch makes, recorded so that they can be undone together.
 
@@ -429,7 +344,7 @@ class Transaction:
         raw = vars(owner)[name]
         for old in state.superseded.get(self.patch.id, ()):
             for change in old._undo:
-                if isinstance(change, _AttributeChange) and change.installed is raw:
+                if isinstance(change, AttributeChange) and change.installed is raw:
                     return owner, name, change.previous
         return owner, name, raw
 
@@ -441,13 +356,13 @@ class Transaction:
         _, _, value = self.resolve(target)
         function = upstream_function(value, target, sys.modules[target.module].__file__)
         if not any(change.function is function for old in state.superseded.get(self.patch.id, ())
-                   for change in old._undo if isinstance(change, _CodeChange)):
+                   for change in old._undo if isinstance(change, CodeChange)):
             # a code-swapping tool (ddtrace's wrapping does this) got there first: its trampoline would be lost
             if not same_code(function.__code__, rebuild_code(target, lambda node: None, function)):
                 raise RewriteError(f"{target}: its code is not the one its source compiles to (another tool "
                                    f"replaced it in place); left out rather than drop that tool's change")
         new = rebuild_code(target, transform, function)
-        self._undo.append(_CodeChange(target, function, function.__code__, new))
+        self._undo.append(CodeChange(target, function, function.__code__, new))
         function.__code__ = new
         return function
 
@@ -463,8 +378,8 @@ class Transaction:
                 return wrapper(wrapped, instance, args, kwargs)
             return wrapped(*args, **kwargs)
 
-        installed = _wrapper_type()(current, call)
-        self._undo.append(_AttributeChange(target, owner, name, current, installed, switch))
+        installed = wrapper_type()(current, call)
+        self._undo.append(AttributeChange(target, owner, name, current, installed, switch))
         setattr(owner, name, installed)
         return current
 
@@ -484,6 +399,6 @@ class Transaction:
             return False
 
     def rollback(self):
-        """Undo every change, last first. Always whole: see _CodeChange.undo and _AttributeChange.undo."""
+        """Undo every change, last first. Always whole: see CodeChange.undo and AttributeChange.undo."""
         while self._undo:
             self._undo.pop().undo()

@@ -93,6 +93,18 @@ def _installed_within(releases):
     return True
 
 
+def band_of(path: str) -> str:
+    """The specifier of the releases a diff applies to, from its name: "...-0.14.3-0.17.0.patch" is ">=0.14.3,<=0.17.0",
+    "...-0.15.4.patch" is "==0.15.4"."""
+    import re
+
+    found = re.search(r"-(\d+(?:\.\d+)+)(?:-(\d+(?:\.\d+)+))?\.patch$", path)
+    if not found:
+        raise TypeError(f"{path}: a diff's name ends with the band of releases it applies to (-FIRST-LAST.patch)")
+    first, last = found.groups()
+    return f">={first},<={last}" if last else f"=={first}"
+
+
 class Patch:
     """One upstream bug, the versions it affects, the code it touches and how to fix it in-process.
 
@@ -105,7 +117,9 @@ class Patch:
     - reproducers: real-upstream scenarios, in `reproducers.py` beside the patch's own module (its folder), which
       declares them and what they prove as `PROOF`, a `Proof` (see there); loaded only by `dspatch verify` and the
       tests, through the properties that read it; importable without torch.
-    - `diffs`: the upstream PR diffs under upstream_prs/, keyed by the specifier of releases they apply to.
+    - `diffs`: the upstream PR diffs, paths under upstream_prs/, each named for the band of releases it applies to,
+      the band written once, in the name: `...-0.14.3-0.17.0.patch` (releases 0.14.3 to 0.17.0), `...-0.15.4.patch`
+      (that release alone). `Patch.diffs` maps each band's specifier to its path.
     - `fixed_marker`: optional (module, qualname) of a definition that exists only once upstream's fix is in;
       how a build that is not a plain release (git, dev, local) is recognised as fixed.
     - `requires`: {other distribution: PEP 440 specifier} the bug also needs (torch >= 2.6 for a torch.load
@@ -133,7 +147,7 @@ class Patch:
     def __init__(self, id: str, summary: str, distribution: str, affected: str, fixed_in: Optional[str],
                  targets: Union[Mapping[tuple[str, str], Fingerprints], Iterable[Target]],
                  apply: Optional[Callable[[Any], None]], supported: str = "", links: Iterable[str] = (),
-                 diffs: Optional[Mapping[str, str]] = None, in_use: Optional[Callable[[], Optional[str]]] = None,
+                 diffs: Iterable[str] = (), in_use: Optional[Callable[[], Optional[str]]] = None,
                  fixed_marker: Optional[tuple[str, str]] = None, note: str = "",
                  requires: Optional[Mapping[str, str]] = None,
                  renamed: Optional[tuple[str, Mapping[str, str]]] = None, signatures: Iterable[Signature] = (),
@@ -152,7 +166,7 @@ class Patch:
         self._modules = None
         self.apply = apply
         self.links = tuple(links)
-        self.diffs = dict(diffs or {})
+        self.diffs = {band_of(path): path for path in diffs}
         self.reproducers = reproducers  # module name; the registry sets it from the patch module's name
         self.left_out = None  # a target's qualname while a proof applies the patch without it
         self.in_use = in_use
@@ -238,6 +252,16 @@ class Patch:
         """The test ("file.py::test") that proves each target necessary in place of --leave-out-each; "": none."""
         return self._declared("necessity_proven_by", "")
 
+    @property
+    def proven_in(self):
+        """The sessions outside the matrix that prove this patch (Proof.proven_in)."""
+        return self._declared("proven_in", ())
+
+    @property
+    def own_tests_in(self):
+        """The sessions outside the matrix that run this patch's own tests only (Proof.own_tests_in)."""
+        return self._declared("own_tests_in", ())
+
     def targets_for(self, version):
         """The targets release `version` of the distribution has: those whose `releases` contain it, and those
         without `releases`. Every target when `version` is None."""
@@ -309,6 +333,9 @@ class Proof:
       releases where it writes an error instead, which the patch's `signatures` name.
     - `necessity_proven_by`: "test_x.py::test", a test of the patch's own folder that proves each target necessary
       in place of the shared proof.
+    - `proven_in`: the noxfile's sessions outside the matrix (`proving_session`: releases no stack installs) that run
+      the patch's proofs and own tests; `own_tests_in`: those that run its own tests only. A session runs exactly
+      the patches that name it.
     """
 
     def __init__(self, scenarios: Mapping[str, Callable[[], None]], expected_on_stock: Mapping[str, str],
@@ -316,7 +343,8 @@ class Proof:
                  band_check: Optional[str] = None,
                  others_with_and_without: Optional[tuple[Mapping[str, Optional[str]],
                                                          Mapping[str, Optional[str]]]] = None,
-                 silent: str = "", loud_on: str = "", necessity_proven_by: str = "") -> None:
+                 silent: str = "", loud_on: str = "", necessity_proven_by: str = "", proven_in: Iterable[str] = (),
+                 own_tests_in: Iterable[str] = ()) -> None:
         self.scenarios = dict(scenarios)
         self.expected_on_stock = dict(expected_on_stock)
         self.releases_checked = tuple(releases_checked)
@@ -326,6 +354,8 @@ class Proof:
         self.silent = silent
         self.loud_on = loud_on
         self.necessity_proven_by = necessity_proven_by
+        self.proven_in = tuple(proven_in)
+        self.own_tests_in = tuple(own_tests_in)
         unknown = set(self.expected_on_stock) - set(self.scenarios)
         if unknown or not self.expected_on_stock or (band_check and band_check not in self.scenarios):
             raise TypeError(f"Proof: expected_on_stock names no scenario of its own ({sorted(unknown)}), or is empty, "

@@ -32,20 +32,27 @@ HEAVY_FIRST = ("test_proofs_fixes.py", "test_proofs_diffs.py", "test_proofs_band
                "test_peft_zero3_save.py", "test_deepspeed_no_sync.py")
 
 
-# A session outside the matrix proves the patches it names (noxfile: DSPATCH_PROVE, a JSON list of ids), no others:
-# the tests of any other patch, and dspatch's own, are deselected. Ids, not -k substrings: a substring can miss a
-# test or catch another patch's (a6fee7b), an id is checked against the registry.
-PROVE = json.loads(os.environ.get("DSPATCH_PROVE") or "null")
+# A session outside the matrix proves the patches whose Proof names it (proven_in; own_tests_in: their own tests only)
+# and no others: the tests of any other patch, and dspatch's own, are deselected. Ids from the declarations, not -k
+# substrings: a substring can miss a test or catch another patch's (a6fee7b).
+OUTSIDE_MATRIX = STACK is not None and STACK not in json.loads(os.environ.get("DSPATCH_MATRIX") or "{}")
+
+
+def proven_here():
+    """(ids whose proofs and own tests run here, ids whose own tests only), for a session outside the matrix."""
+    from dspatch import registry
+
+    patches = registry.all_patches().values()
+    return [p.id for p in patches if STACK in p.proven_in], [p.id for p in patches if STACK in p.own_tests_in]
 
 
 def pytest_collection_modifyitems(config, items):
-    if PROVE is not None:
-        from dspatch import registry
-
-        unknown = set(PROVE) - set(registry.all_patches())
-        if unknown:
-            raise pytest.UsageError(f"DSPATCH_PROVE names no patch: {sorted(unknown)}")
-        kept = [item for item in items if _patch_of(item) in PROVE or _proves_nothing(item)]
+    if OUTSIDE_MATRIX:
+        prove, own_tests = proven_here()
+        if not prove + own_tests:
+            raise pytest.UsageError(f"no patch names the session {STACK!r} in its Proof (proven_in, own_tests_in)")
+        kept = [item for item in items if _patch_of(item) in prove or _proves_nothing(item)
+                or (_patch_of(item) in own_tests and str(item.fspath).startswith(PATCHES_DIR))]
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
     rank = {name: number for number, name in enumerate(HEAVY_FIRST)}

@@ -60,9 +60,9 @@ def test_what_applies_here_is_what_the_sessions_pins_have(pid):
     expected = audit.decide(patch, pin.releases()[0], pinned)[0] if pin else "not pinned"
     here = gating.evaluate(patch)
     assert (here.verdict == gating.APPLIES) == (expected == gating.APPLIES), (here.verdict, here.reason, expected)
-    # a session that states the patches it proves (DSPATCH_PROVE) must have each of them here
-    assert here.verdict == gating.APPLIES or pid not in json.loads(os.environ.get("DSPATCH_PROVE") or "[]"), \
-        f"this session states it proves {pid}, which does not apply to its pins: {here.reason}"
+    # a patch that names this session in its Proof (proven_in) must apply to its pins
+    assert here.verdict == gating.APPLIES or os.environ.get("DSPATCH_TEST_STACK") not in patch.proven_in, \
+        f"{pid} names this session in its Proof (proven_in), but does not apply to its pins: {here.reason}"
 
 
 @pytest.mark.parametrize("pid", _ids(APPLICABLE))

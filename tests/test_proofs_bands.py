@@ -143,14 +143,14 @@ def _old_session_runs_bands(patch):
 
 def _small_session_running(pid, distribution, band):
     """The session outside the matrix that proves `band` of patch `pid`: one that installs a release of the band and
-    that proves the patch (noxfile passes DSPATCH_SMALL and, as DSPATCH_SMALL_PROVES, the ids each proves); None where
-    none does."""
+    that proves the patch (noxfile passes DSPATCH_SMALL; the patch's Proof names the sessions that prove it,
+    proven_in); None where none does."""
     from packaging.specifiers import SpecifierSet
 
     small = json.loads(os.environ.get("DSPATCH_SMALL", "{}"))
-    proves = json.loads(os.environ.get("DSPATCH_SMALL_PROVES", "{}"))
+    proven_in = registry.all_patches()[pid].proven_in
     for name, pins in small.items():
-        if any(SpecifierSet(band).contains(v) for v in _pinned(pins, distribution)) and pid in proves.get(name, ()):
+        if any(SpecifierSet(band).contains(v) for v in _pinned(pins, distribution)) and name in proven_in:
             return name
     return None
 

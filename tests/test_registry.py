@@ -3,6 +3,7 @@ import ast
 import glob
 import importlib
 import os
+import re
 
 import pytest
 
@@ -473,3 +474,41 @@ def test_verdicts_are_records_and_check_reads_their_fields(tmp_path):
     assert status.brief(gating.Row(patch, drifted)).startswith("x.a:f differs")
     off = gating.Row(patch, drifted, gating.DISABLED, "disabled by DSPATCH_DISABLE (...)", "disabled by DSPATCH_DISABLE")
     assert status.brief(off) == "disabled by DSPATCH_DISABLE"
+
+
+def test_the_patches_imports_are_plain_imports_of_files():
+    """The import graph between patches, drawn from the code: every `dspatch.patches...` a patch's module imports is a
+    file of the package as laid out (no path extension or registry lookup in between, so mypy and other readers
+    follow it), and no two patches import each other round."""
+    root = os.path.join(ROOT, "dspatch", "patches")
+    graph = {}
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        if os.path.basename(path).startswith(("test_", "conftest")):
+            continue
+        here = os.path.relpath(os.path.dirname(path), root).replace(os.sep, "/")
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if not name.startswith("dspatch.patches."):
+                    continue
+                parts = name.split(".")[2:]
+                base = os.path.join(root, *parts)
+                assert os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py")), (path, name)
+                target = "/".join(parts[:2]) if len(parts) >= 2 else parts[0]
+                if target != here:
+                    graph.setdefault(here, set()).add(target)
+
+    def reaches(start, goal, seen=()):
+        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, (*seen, nxt))) for nxt in graph.get(start, ()))
+
+    assert sum(map(len, graph.values())) >= 8, graph  # the patches do share code: the graph is there to read
+    assert not [folder for folder in graph if reaches(folder, folder)], graph
+
+
+def test_the_sessions_a_patch_names_are_the_noxfiles():
+    """A patch chooses the sessions outside the matrix that prove it (Proof.proven_in, own_tests_in): each it names is
+    one of the noxfile's proving sessions, and each of those is named by a patch (one named by none would stop)."""
+    sessions = set(re.findall(r'proving_session\("(\w+)"', open(os.path.join(ROOT, "noxfile.py")).read()))
+    named = {name for patch in registry.all_patches().values() for name in (*patch.proven_in, *patch.own_tests_in)}
+    assert sessions and named == sessions, (named, sessions)

@@ -26,8 +26,8 @@ TORCHRUN_STACKS = ("old",)
 FORKED = r'''
 import json, sys
 sys.path.insert(0, sys.argv[1])  # tests/: the ranks run train_zero3 as a module
-from dspatch.scenario import _fork_refused, launch_ranks
-assert _fork_refused() is None, _fork_refused()
+from dspatch.ranks import fork_refused, launch_ranks
+assert fork_refused() is None, fork_refused()
 print("R " + json.dumps(launch_ranks("train_zero3")))
 '''
 
@@ -96,7 +96,7 @@ def test_reproducer_ranks_forked_by_default_and_from_torchrun_on_request():
     from conftest import verify
     from test_proofs import APPLICABLE
 
-    probe = "from dspatch.scenario import _fork_refused; print(_fork_refused())"
+    probe = "from dspatch.ranks import fork_refused; print(fork_refused())"
     assert run_python(["-c", probe]).stdout.split() == ["None"]
     assert run_python(["-c", probe], env=clean_env(DSPATCH_RANKS="torchrun")).stdout.strip() == "DSPATCH_RANKS=torchrun"
     multi = [pid for pid in APPLICABLE if "launch_ranks(" in

@@ -87,10 +87,10 @@ def deepspeed_side(plans, env):
         with open(plan_path, "w", encoding="utf-8") as f:
             json.dump(plans, f)
         if ranks > 1:
-            from dspatch.scenario import _free_port
+            from dspatch.scenario import free_port
 
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                       "--master_port", _free_port(), "-m", "dspatch.canary.runner", plan_path, out]
+                       "--master_port", free_port(), "-m", "dspatch.canary.runner", plan_path, out]
         else:
             command = [sys.executable, "-m", "dspatch.canary.runner", plan_path, out]
         proc = subprocess.run(command, env=env, capture_output=True, text=True)

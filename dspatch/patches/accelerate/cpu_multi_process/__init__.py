@@ -72,5 +72,5 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/huggingface/accelerate/pull/3883",),
-    diffs={">=1.13.0,<=1.15.0": "accelerate/0006-cpu-multi-process.patch"},
+    diffs=("accelerate/0006-cpu-multi-process-1.13.0-1.15.0.patch",),
 )

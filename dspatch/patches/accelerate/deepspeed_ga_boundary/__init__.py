@@ -89,8 +89,8 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/huggingface/accelerate/pull/3630", "https://github.com/huggingface/accelerate/issues/3552",
            "https://github.com/huggingface/accelerate/issues/1970"),
-    diffs={">=0.20.0,<=0.27.2": "accelerate/0004-deepspeed-ga-boundary-0.20.0-0.27.2.patch",
-           ">=0.28.0,<=1.7.0": "accelerate/0004-deepspeed-ga-boundary-0.28.0-1.7.0.patch"},
+    diffs=("accelerate/0004-deepspeed-ga-boundary-0.20.0-0.27.2.patch",
+           "accelerate/0004-deepspeed-ga-boundary-0.28.0-1.7.0.patch"),
     note=("GradientState._set_sync_gradients and DeepSpeedEngineWrapper.backward are wrapped: the sync_gradients "
           "accelerate set for a micro-step becomes DeepSpeed's accumulation boundary before its backward"),
 )

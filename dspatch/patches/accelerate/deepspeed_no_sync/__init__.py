@@ -108,7 +108,7 @@ PATCH = Patch(
     # transformers 4.46 (the Trainer's direct no_sync call) needs accelerate >= 0.26.0; the release tests cover
     # 0.26.0-1.8.1, all one source of Accelerator.no_sync
     supported=">=0.26.0",
-    diffs={">=0.26.0,<=1.8.1": "accelerate/0002-deepspeed-no-sync-0.26.0-1.8.1.patch"},
+    diffs=("accelerate/0002-deepspeed-no-sync-0.26.0-1.8.1.patch",),
     signatures=(Signature(r"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage",
                           error="AssertionError"),),
     note=("Accelerator.no_sync keeps its object, name and line numbers but runs code rebuilt from the installed "

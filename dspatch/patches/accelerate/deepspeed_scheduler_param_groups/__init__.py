@@ -77,11 +77,11 @@ PATCH = Patch(
     links=("https://github.com/huggingface/transformers/pull/43692",
            "https://github.com/deepspeedai/DeepSpeedExamples/pull/756"),
     # one diff per band of releases whose files differ around the change; the last is the one to forward
-    diffs={">=0.34.0,<=0.34.2": "accelerate/0001-deepspeed-scheduler-param-groups-0.34.0-0.34.2.patch",
-           ">=1.0.0,<=1.0.1": "accelerate/0001-deepspeed-scheduler-param-groups-1.0.0-1.0.1.patch",
-           ">=1.1.0,<=1.4.0": "accelerate/0001-deepspeed-scheduler-param-groups-1.1.0-1.4.0.patch",
-           ">=1.5.0,<=1.11.0": "accelerate/0001-deepspeed-scheduler-param-groups-1.5.0-1.11.0.patch",
-           ">=1.12.0,<=1.15.0": "accelerate/0001-deepspeed-scheduler-param-groups.patch"},
+    diffs=("accelerate/0001-deepspeed-scheduler-param-groups-0.34.0-0.34.2.patch",
+           "accelerate/0001-deepspeed-scheduler-param-groups-1.0.0-1.0.1.patch",
+           "accelerate/0001-deepspeed-scheduler-param-groups-1.1.0-1.4.0.patch",
+           "accelerate/0001-deepspeed-scheduler-param-groups-1.5.0-1.11.0.patch",
+           "accelerate/0001-deepspeed-scheduler-param-groups-1.12.0-1.15.0.patch"),
     # the Trainer's loop gives the same message (transformers/trainer-scheduler-after-deepspeed): its frames decide
     signatures=(Signature(r"zip\(\) argument 2 is longer than argument 1", error="ValueError", needs=(r"lr_scheduler",),
                           hints=(r"accelerate[/\\]scheduler\.py",), unless=(r"transformers[/\\]trainer\.py",),

@@ -116,7 +116,7 @@ print("R", out)
 @pytest.mark.unit_only  # released sources only: once, in the unit session
 def test_scheduler_param_groups_diffs_add_the_realignment():
     patch = registry.all_patches()["accelerate/deepspeed-scheduler-param-groups"]
-    assert patch.diff_for("1.15.0") == "accelerate/0001-deepspeed-scheduler-param-groups.patch"  # to forward
+    assert patch.diff_for("1.15.0") == "accelerate/0001-deepspeed-scheduler-param-groups-1.12.0-1.15.0.patch"  # to forward
     for relative in patch.diffs.values():
         text = diff_text(relative)
         for field in ("Bug: https://github.com/huggingface/transformers/pull/43692",

@@ -15,6 +15,8 @@ Proof: in the small session pairing deepspeed 0.19.8 with accelerate 1.10.1: an 
 and an "auto" WarmupLR fails on stock and trains patched, with the learning rates of the same config giving
 `warmup_num_steps: 1` itself.
 """
+# deepspeed's refusal in its own words, as transformers/deepspeed-warmup-zero matches it
+from dspatch.patches.transformers.deepspeed_warmup_zero import REFUSED
 from dspatch.spec import Patch, Signature
 
 DATACLASSES = "accelerate.utils.dataclasses"
@@ -22,7 +24,6 @@ PROCESS = "DeepSpeedPlugin.deepspeed_config_process"
 # every release 0.34.0-1.14.0 (python tests/upstream_releases.py accelerate/deepspeed-warmup-zero 0.34.0 1.14.0)
 FINGERPRINTS = {(DATACLASSES, PROCESS): {"d31ea188b358d74c": "0.34.0-1.9.0", "aef218637744e7cc": "1.10.0-1.14.0"}}
 KEY = "scheduler.params.warmup_num_steps"
-REFUSED = r"warmup_num_steps must be a positive integer, got (0|-\d+)"
 
 
 def positive_warmup(wrapped, instance, args, kwargs):
@@ -53,7 +54,7 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/huggingface/transformers/pull/48640",),
-    diffs={">=0.34.0,<=1.14.0": "accelerate/0007-deepspeed-warmup-zero-0.34.0-1.14.0.patch"},
+    diffs=("accelerate/0007-deepspeed-warmup-zero-0.34.0-1.14.0.patch",),
     # the Trainer's runs pass through accelerate too: a Trainer frame is transformers/deepspeed-warmup-zero's
     signatures=(Signature(REFUSED, error="ValueError", context=(r"accelerator\.py|_prepare_deepspeed",),
                           unless=(r"transformers/trainer\.py|_inner_training_loop|deepspeed_init",)),),

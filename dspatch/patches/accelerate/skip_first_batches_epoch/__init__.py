@@ -75,7 +75,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/huggingface/accelerate/pull/4071", "https://github.com/huggingface/accelerate/pull/3556",
            "https://github.com/huggingface/accelerate/issues/4233"),
-    diffs={">=1.7.0,<=1.14.0": "accelerate/0005-skip-first-batches-epoch-1.7.0-1.14.0.patch"},
+    diffs=("accelerate/0005-skip-first-batches-epoch-1.7.0-1.14.0.patch",),
     note=("skip_first_batches keeps its object, name and line numbers but runs code rebuilt from the installed file, "
           "whose loaders take the iteration of the loader given"),
 )

@@ -53,8 +53,8 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/huggingface/accelerate/issues/2985", "https://github.com/huggingface/accelerate/pull/3146"),
-    diffs={">=0.21.0,<=0.24.1": "accelerate/0003-zero3-save-model-all-ranks-0.21.0-0.24.1.patch",
-           ">=0.25.0,<=1.0.1": "accelerate/0003-zero3-save-model-all-ranks-0.25.0-1.0.1.patch"},
+    diffs=("accelerate/0003-zero3-save-model-all-ranks-0.21.0-0.24.1.patch",
+           "accelerate/0003-zero3-save-model-all-ranks-0.25.0-1.0.1.patch"),
     signatures=(Signature(r"'NoneType' object has no attribute 'items'", error="AttributeError",
                           needs=(r"accelerator\.py.* in save_model",)),),
     note=("Accelerator.save_model keeps its object, name and line numbers but runs code rebuilt from the installed "

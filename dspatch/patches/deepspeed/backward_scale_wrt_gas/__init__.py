@@ -60,7 +60,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/7724", "https://github.com/deepspeedai/DeepSpeed/issues/7749",
            "https://github.com/huggingface/accelerate/issues/3877"),
-    diffs={"==0.18.3": "deepspeed/0015-backward-scale-wrt-gas-0.18.3.patch"},
+    diffs=("deepspeed/0015-backward-scale-wrt-gas-0.18.3.patch",),
     note=("DeepSpeedEngine.backward and DeepSpeedEngine._backward_prologue_per_tensor are wrapped: while a backward "
           "with scale_wrt_gas=False runs, the output hooks pass gradients through"),
 )

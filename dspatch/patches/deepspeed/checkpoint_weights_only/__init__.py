@@ -100,7 +100,7 @@ PATCH = Patch(
     # 0.14.0 loads universal checkpoints through other functions and does not import with torch 2.13; older
     # releases cannot use the CPU accelerator: the patch is written and run for 0.14.1-0.15.4
     supported=">=0.14.1",
-    diffs={">=0.14.1,<=0.15.4": "deepspeed/0002-checkpoint-weights-only-0.14.1-0.15.4.patch"},
+    diffs=("deepspeed/0002-checkpoint-weights-only-0.14.1-0.15.4.patch",),
     # DeepSpeed's own load: a deepspeed frame or a deepspeed global refused (torch.load elsewhere is not this bug)
     # a DeepSpeed global in the refusal says a DeepSpeed checkpoint was loaded, not by whom: every loader of one with
     # weights_only on torch >= 2.6 writes it (newer DeepSpeed engines, a user's torch.load); a frame of the four

@@ -92,10 +92,10 @@ PATCH = Patch(
     supported=">=0.14.0",
     # one diff per band of releases whose files differ around the change (each applies as it is); the last
     # is the one to forward upstream
-    diffs={">=0.14.0,<=0.14.2": "deepspeed/0003-engine-getattr-module-hint-0.14.0-0.14.2.patch",
-           ">=0.14.3,<=0.17.0": "deepspeed/0003-engine-getattr-module-hint-0.14.3-0.17.0.patch",
-           ">=0.17.1,<=0.19.5": "deepspeed/0003-engine-getattr-module-hint-0.17.1-0.19.5.patch",
-           ">=0.19.6,<=0.19.8": "deepspeed/0003-engine-getattr-module-hint.patch"},
+    diffs=("deepspeed/0003-engine-getattr-module-hint-0.14.0-0.14.2.patch",
+           "deepspeed/0003-engine-getattr-module-hint-0.14.3-0.17.0.patch",
+           "deepspeed/0003-engine-getattr-module-hint-0.17.1-0.19.5.patch",
+           "deepspeed/0003-engine-getattr-module-hint-0.19.6-0.19.8.patch"),
     # any attribute a user expected on the engine (`model` is DeepSpeed-Chat's), in the message of every release;
     # generic: an attribute another patch's bug reads on the engine is that bug's
     # (DeepSpeedLight: the engine's name before 0.3); not the engine methods of PipelineEngine or DDP, whose

@@ -104,8 +104,8 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/issues/8353",),
-    diffs={">=0.14.0,<=0.16.9": "deepspeed/0009-engine-releases-model-0.14.0-0.16.9.patch",
-           ">=0.17.0,<=0.19.6": "deepspeed/0009-engine-releases-model-0.17.0-0.19.6.patch"},
+    diffs=("deepspeed/0009-engine-releases-model-0.14.0-0.16.9.patch",
+           "deepspeed/0009-engine-releases-model-0.17.0-0.19.6.patch"),
     note=("deepspeed.utils.debug's name extraction keeps its object, name and line numbers but runs code rebuilt "
           "from the installed file that stores the names in weak maps (this patch's WeakNames)"),
 )

@@ -127,9 +127,9 @@ PATCH = Patch(
     supported=">=0.14.0",
     # one diff per band of releases whose files differ around the change (each applies as it is); the last
     # is the one to forward upstream
-    diffs={">=0.14.0,<=0.19.2": "deepspeed/0004-engine-param-names-at-checkpoint-time-0.14.0-0.19.2.patch",
-           ">=0.19.3,<=0.19.7": "deepspeed/0004-engine-param-names-at-checkpoint-time-0.19.3-0.19.7.patch",
-           "==0.19.8": "deepspeed/0004-engine-param-names-at-checkpoint-time.patch"},
+    diffs=("deepspeed/0004-engine-param-names-at-checkpoint-time-0.14.0-0.19.2.patch",
+           "deepspeed/0004-engine-param-names-at-checkpoint-time-0.19.3-0.19.7.patch",
+           "deepspeed/0004-engine-param-names-at-checkpoint-time-0.19.8.patch"),
     signatures=(Signature(r"failed to find frozen ", error="ValueError"),),
     note=("open upstream (issue 6620; PR 6626 unmerged): gated by the source of its targets, not by a release. "
           "Three DeepSpeedEngine checkpoint methods keep their objects, names and line numbers but run code rebuilt "

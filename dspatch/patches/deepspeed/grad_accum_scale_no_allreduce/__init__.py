@@ -84,10 +84,10 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/6675", "https://github.com/deepspeedai/DeepSpeed/issues/7773",
            "https://github.com/deepspeedai/DeepSpeed/pull/7665"),
-    diffs={">=0.16.0,<=0.16.4": "deepspeed/0017-grad-accum-scale-no-allreduce-0.16.0-0.16.4.patch",
-           "==0.16.5": "deepspeed/0017-grad-accum-scale-no-allreduce-0.16.5.patch",
-           ">=0.16.6,<=0.17.6": "deepspeed/0017-grad-accum-scale-no-allreduce-0.16.6-0.17.6.patch",
-           ">=0.18.0,<=0.18.2": "deepspeed/0017-grad-accum-scale-no-allreduce-0.18.0-0.18.2.patch"},
+    diffs=("deepspeed/0017-grad-accum-scale-no-allreduce-0.16.0-0.16.4.patch",
+           "deepspeed/0017-grad-accum-scale-no-allreduce-0.16.5.patch",
+           "deepspeed/0017-grad-accum-scale-no-allreduce-0.16.6-0.17.6.patch",
+           "deepspeed/0017-grad-accum-scale-no-allreduce-0.18.0-0.18.2.patch"),
     note=("DeepSpeedEngine.backward (0.16.0-0.16.4) or _backward_prologue (0.16.5-0.18.2) keeps its object, name and "
           "line numbers but runs code rebuilt from the installed file whose division by GA does not wait for the "
           "all-reduce"),

@@ -29,7 +29,7 @@ Trainer (`evaluate()` before `train()`) do: an engine with no optimizer runs for
 on the same model. That is not a second training engine, and it trains on stock (but for the deque after a single ZeRO-3
 forward), so it is never refused, and goes through exactly as on stock. Taking the inference engine off the model is its
 caller's to do, before the next engine is built: dspatch's trl/precompute-ref-zero3-engine and
-transformers/trainer-stale-deepspeed-engine do it for trl and the Trainer (patches/engine_handover.py). Done here
+transformers/trainer-stale-deepspeed-engine do it for trl and the Trainer (dspatch/patches/engine_handover.py). Done here
 instead, inside the second `deepspeed.initialize`, it broke a run that trains on stock: LoRA DPO with a precomputed
 reference and gradient checkpointing at ZeRO-3 then fails in backward (`CheckpointError`: weights recomputed with shape
 [0], deepspeed 0.19.8), where with the inference engine left alone it trains.
@@ -67,6 +67,7 @@ harmless ZeRO-0/1 cases and after `destroy()`, and marks the objects themselves 
 patch refuses exactly where the table shows corruption, warns elsewhere, and forgets an engine on `destroy()`. Not
 covered: two *different* model objects sharing parameters (tied modules passed separately).
 """
+from dspatch.patches.deepspeed.initialize_once.stages import has_hooks, read_config, stage_of_config, stage_of_engine
 from dspatch.spec import Patch
 
 INIT = ("deepspeed", "initialize")
@@ -147,53 +148,6 @@ def _owner(obj):
     return None if engine is None else (engine, entry[2], entry[3])
 
 
-def _read_config(args, config, config_params):
-    """The config dict as deepspeed.initialize will pick it, or None if it cannot be read without side effects."""
-    import json
-    import os
-
-    if config is None and config_params is not None:
-        config = config_params
-    for name in ("deepscale_config", "deepspeed_config"):
-        if getattr(args, name, None) is not None:
-            config = getattr(args, name)
-    if isinstance(config, dict):
-        return config
-    if isinstance(config, (str, os.PathLike)) and os.path.isfile(config):
-        try:
-            with open(config) as f:
-                value = json.load(f)
-            return value if isinstance(value, dict) else None
-        except (OSError, ValueError):
-            return None
-    return None
-
-
-def _stage_of_config(config):
-    """(stage, overlap_comm) or None when unknown ("auto", unreadable)."""
-    if config is None:
-        return None
-    zero = config.get("zero_optimization") or {}
-    if not isinstance(zero, dict):
-        return None
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or not isinstance(stage, int):
-        return None
-    return stage, bool(zero.get("overlap_comm") is True)
-
-
-def _stage_of_engine(engine):
-    try:
-        return engine.zero_optimization_stage(), bool(engine.zero_overlap_comm())
-    except Exception:
-        return None
-
-
-def _hooks(stage):
-    """Whether an engine at this (stage, overlap_comm) installs per-parameter state (grad hooks, partitions)."""
-    return stage is None or stage[0] >= 2 or (stage[0] == 1 and stage[1])
-
-
 def _describe(obj):
     return f"{type(obj).__name__} at {hex(id(obj))}"
 
@@ -204,7 +158,7 @@ def _check(model, optimizer, args, config, config_params):
     stock)."""
     from dspatch.patches import engine_handover
 
-    new = _stage_of_config(_read_config(args, config, config_params))
+    new = stage_of_config(read_config(args, config, config_params))
     new_text = f"ZeRO stage {new[0]}" if new else "a ZeRO stage this check cannot read (not a dict or a JSON file)"
     harmless = []
     for obj, role in ((model, "model"), (optimizer, "optimizer")):
@@ -212,7 +166,7 @@ def _check(model, optimizer, args, config, config_params):
         if found is None:
             continue
         engine, what, built_by = found
-        old = _stage_of_engine(engine)
+        old = stage_of_engine(engine)
         if role == "model" and what == "model" and engine_handover.is_inference(engine) and (
                 not engine_handover.partitions(engine) or (new is not None and new[0] == 3)):
             continue  # an inference engine's forwards are done: no second training engine (see the docstring)
@@ -221,7 +175,7 @@ def _check(model, optimizer, args, config, config_params):
         subject = ("this DeepSpeedEngine (passed as the model)" if what == "engine" else f"this {role}") \
             + f" ({_describe(obj)})"
         if role == "model":
-            corrupting = _hooks(old) or _hooks(new)
+            corrupting = has_hooks(old) or has_hooks(new)
             why = ("would install DeepSpeed's per-parameter state on the same parameters again (ZeRO-2 gradient "
                    "hooks registered twice, ZeRO-3 parameters partitioned twice), which breaks both engines")
             if kind and old is not None and old[0] == 3:
@@ -309,18 +263,18 @@ PATCH = Patch(
     supported=">=0.14.0",
     # one diff per band of releases whose files differ around the insertion points (each applies as it is); the
     # last one is the one to forward upstream
-    diffs={">=0.14.0,<=0.14.3": "deepspeed/0005-initialize-once-0.14.0-0.14.3.patch",
-           "==0.14.4": "deepspeed/0005-initialize-once-0.14.4.patch",
-           "==0.14.5": "deepspeed/0005-initialize-once-0.14.5.patch",
-           ">=0.15.0,<=0.16.3": "deepspeed/0005-initialize-once-0.15.0-0.16.3.patch",
-           ">=0.16.4,<=0.16.5": "deepspeed/0005-initialize-once-0.16.4-0.16.5.patch",
-           ">=0.16.6,<=0.17.0": "deepspeed/0005-initialize-once-0.16.6-0.17.0.patch",
-           ">=0.17.1,<=0.17.6": "deepspeed/0005-initialize-once-0.17.1-0.17.6.patch",
-           ">=0.18.0,<=0.18.4": "deepspeed/0005-initialize-once-0.18.0-0.18.4.patch",
-           ">=0.18.5,<=0.19.3": "deepspeed/0005-initialize-once-0.18.5-0.19.3.patch",
-           ">=0.19.4,<=0.19.6": "deepspeed/0005-initialize-once-0.19.4-0.19.6.patch",
-           "==0.19.7": "deepspeed/0005-initialize-once-0.19.7.patch",
-           "==0.19.8": "deepspeed/0005-initialize-once.patch"},
+    diffs=("deepspeed/0005-initialize-once-0.14.0-0.14.3.patch",
+           "deepspeed/0005-initialize-once-0.14.4.patch",
+           "deepspeed/0005-initialize-once-0.14.5.patch",
+           "deepspeed/0005-initialize-once-0.15.0-0.16.3.patch",
+           "deepspeed/0005-initialize-once-0.16.4-0.16.5.patch",
+           "deepspeed/0005-initialize-once-0.16.6-0.17.0.patch",
+           "deepspeed/0005-initialize-once-0.17.1-0.17.6.patch",
+           "deepspeed/0005-initialize-once-0.18.0-0.18.4.patch",
+           "deepspeed/0005-initialize-once-0.18.5-0.19.3.patch",
+           "deepspeed/0005-initialize-once-0.19.4-0.19.6.patch",
+           "deepspeed/0005-initialize-once-0.19.7.patch",
+           "deepspeed/0005-initialize-once-0.19.8.patch"),
     note=("deepspeed.initialize and DeepSpeedEngine.destroy are wrapped: one ownership check per initialize "
           "(weak references, nothing stored on your objects), nothing per step"),
 )

@@ -74,10 +74,10 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/8171", "https://github.com/deepspeedai/DeepSpeed/pull/7969",
            "https://github.com/deepspeedai/DeepSpeed/pull/7360"),
-    diffs={">=0.14.0,<=0.15.2": "deepspeed/0020-lr-schedules-multigroup-0.14.0-0.15.2.patch",
-           ">=0.15.3,<=0.17.1": "deepspeed/0020-lr-schedules-multigroup-0.15.3-0.17.1.patch",
-           ">=0.17.2,<=0.18.9": "deepspeed/0020-lr-schedules-multigroup-0.17.2-0.18.9.patch",
-           ">=0.19.0,<=0.19.3": "deepspeed/0020-lr-schedules-multigroup-0.19.0-0.19.3.patch"},
+    diffs=("deepspeed/0020-lr-schedules-multigroup-0.14.0-0.15.2.patch",
+           "deepspeed/0020-lr-schedules-multigroup-0.15.3-0.17.1.patch",
+           "deepspeed/0020-lr-schedules-multigroup-0.17.2-0.18.9.patch",
+           "deepspeed/0020-lr-schedules-multigroup-0.19.0-0.19.3.patch"),
     note=("wraps WarmupLR.__init__ (an unset warmup_max_lr is each group's rate) and, on 0.15.3-0.18.9, "
           "WarmupCosineLR.get_lr (one 'not started' rate per group)"),
 )

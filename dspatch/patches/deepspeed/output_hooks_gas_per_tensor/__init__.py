@@ -159,7 +159,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/8245",
            "https://github.com/deepspeedai/DeepSpeed/pull/7665"),
-    diffs={">=0.18.3,<=0.19.5": "deepspeed/0014-output-hooks-gas-per-tensor-0.18.3-0.19.5.patch"},
+    diffs=("deepspeed/0014-output-hooks-gas-per-tensor-0.18.3-0.19.5.patch",),
     fixed_marker=(ENGINE, "_EngineBackwardGraphTracker"),  # 0.19.6's: backward marks the graph it divided
     note=("OutputBackwardHookManager.register_hooks_on_outputs, DeepSpeedEngine.backward and "
           "DeepSpeedEngine._backward_prologue_per_tensor are wrapped: after a forward that hooked two or more output "

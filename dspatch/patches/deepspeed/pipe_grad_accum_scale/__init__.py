@@ -54,7 +54,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/8154", "https://github.com/deepspeedai/DeepSpeed/issues/7773",
            "https://github.com/deepspeedai/DeepSpeed/issues/8152", "https://github.com/deepspeedai/DeepSpeed/pull/7665"),
-    diffs={">=0.18.3,<=0.19.2": "deepspeed/0019-pipe-grad-accum-scale-0.18.3-0.19.2.patch"},
+    diffs=("deepspeed/0019-pipe-grad-accum-scale-0.18.3-0.19.2.patch",),
     fixed_marker=("deepspeed.runtime.pipe.engine", "PipelineEngine._backward_prologue_per_tensor"),
     note=("wraps DeepSpeedEngine._backward_prologue_per_tensor: a pipeline stage that is not the last passes the "
           "gradient through"),

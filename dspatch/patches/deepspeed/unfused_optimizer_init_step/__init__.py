@@ -70,6 +70,6 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/5104", "https://github.com/deepspeedai/DeepSpeed/pull/7515"),
-    diffs={">=0.17.6,<=0.19.8": "deepspeed/0025-unfused-optimizer-init-step.patch"},
+    diffs=("deepspeed/0025-unfused-optimizer-init-step-0.17.6-0.19.8.patch",),
     canary=("adam_step_early",),
 )

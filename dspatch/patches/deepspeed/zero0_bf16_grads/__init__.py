@@ -110,7 +110,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/7839", "https://github.com/deepspeedai/DeepSpeed/issues/7837",
            "https://github.com/deepspeedai/DeepSpeed/pull/7515", "https://github.com/deepspeedai/DeepSpeed/pull/7665"),
-    diffs={">=0.17.6,<=0.18.5": "deepspeed/0018-zero0-bf16-grads-0.17.6-0.18.5.patch"},
+    diffs=("deepspeed/0018-zero0-bf16-grads-0.17.6-0.18.5.patch",),
     note=("wraps DeepSpeedEngine._take_model_step (clears an FP16_UnfusedOptimizer's gradients after a bf16 step), "
           "_configure_fp16_optimizer and FP16_UnfusedOptimizer.load_state_dict (loss scale 1 for the bf16 one)"),
 )

@@ -58,7 +58,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/issues/7718", "https://github.com/deepspeedai/DeepSpeed/pull/7665",
            "https://github.com/deepspeedai/DeepSpeed/pull/7509"),
-    diffs={">=0.17.6,<=0.18.2": "deepspeed/0016-zero2-grad-accum-last-microbatch-0.17.6-0.18.2.patch"},
+    diffs=("deepspeed/0016-zero2-grad-accum-last-microbatch-0.17.6-0.18.2.patch",),
     note=("DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue keeps its object, name and line numbers but "
           "runs code rebuilt from the installed file that decides the first micro-step on self.all_grad_tensors"),
 )

@@ -64,7 +64,7 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/7967", "https://github.com/deepspeedai/DeepSpeed/pull/6550"),
-    diffs={">=0.15.2,<=0.18.9": "deepspeed/0013-zero2-offload-grad-accum-0.15.2-0.18.9.patch"},
+    diffs=("deepspeed/0013-zero2-offload-grad-accum-0.15.2-0.18.9.patch",),
     note=("DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu keeps its object, name and line numbers but "
           "runs code rebuilt from the installed file that copies the running sum back to the CPU buffer after every "
           "micro-batch before the boundary"),

@@ -69,11 +69,11 @@ PATCH = Patch(
     targets=TARGETS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/8158", "https://github.com/deepspeedai/DeepSpeed/pull/7414"),
-    diffs={">=0.14.3,<=0.16.2": "deepspeed/0021-zero3-allreduce-fetch-padding-0.14.3-0.16.2.patch",
-           ">=0.16.3,<=0.17.2": "deepspeed/0021-zero3-allreduce-fetch-padding-0.16.3-0.17.2.patch",
-           ">=0.17.3,<=0.18.4": "deepspeed/0021-zero3-allreduce-fetch-padding-0.17.3-0.18.4.patch",
-           ">=0.18.5,<=0.19.2": "deepspeed/0021-zero3-allreduce-fetch-padding-0.18.5-0.19.2.patch",
-           "==0.19.3": "deepspeed/0021-zero3-allreduce-fetch-padding-0.19.3.patch"},
+    diffs=("deepspeed/0021-zero3-allreduce-fetch-padding-0.14.3-0.16.2.patch",
+           "deepspeed/0021-zero3-allreduce-fetch-padding-0.16.3-0.17.2.patch",
+           "deepspeed/0021-zero3-allreduce-fetch-padding-0.17.3-0.18.4.patch",
+           "deepspeed/0021-zero3-allreduce-fetch-padding-0.18.5-0.19.2.patch",
+           "deepspeed/0021-zero3-allreduce-fetch-padding-0.19.3.patch"),
     signatures=(Signature(message=r"AllReduceCoalescedHandle\.wait\(\) got an unexpected keyword argument "
                                   r"'handle_dependency'", error="TypeError"),),
     note=("Init._convert_to_deepspeed_param runs code rebuilt from the installed file whose all-reduce fetch "

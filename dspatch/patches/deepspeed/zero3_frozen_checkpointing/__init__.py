@@ -118,13 +118,13 @@ PATCH = Patch(
            "https://github.com/deepspeedai/DeepSpeed/issues/4332"),
     supported=">=0.14.0",
     # one diff per band of releases whose parameter_offload.py differs around the change (each applies as it is)
-    diffs={">=0.14.0,<=0.15.3": "deepspeed/0006-zero3-frozen-checkpointing-0.14.0-0.15.3.patch",
-           "==0.15.4": "deepspeed/0006-zero3-frozen-checkpointing-0.15.4.patch",
-           ">=0.16.0,<=0.16.3": "deepspeed/0006-zero3-frozen-checkpointing-0.16.0-0.16.3.patch",
-           ">=0.16.4,<=0.16.9": "deepspeed/0006-zero3-frozen-checkpointing-0.16.4-0.16.9.patch",
-           ">=0.17.0,<=0.18.0": "deepspeed/0006-zero3-frozen-checkpointing-0.17.0-0.18.0.patch",
-           ">=0.18.1,<=0.19.0": "deepspeed/0006-zero3-frozen-checkpointing-0.18.1-0.19.0.patch",
-           ">=0.19.1,<=0.19.2": "deepspeed/0006-zero3-frozen-checkpointing-0.19.1-0.19.2.patch"},
+    diffs=("deepspeed/0006-zero3-frozen-checkpointing-0.14.0-0.15.3.patch",
+           "deepspeed/0006-zero3-frozen-checkpointing-0.15.4.patch",
+           "deepspeed/0006-zero3-frozen-checkpointing-0.16.0-0.16.3.patch",
+           "deepspeed/0006-zero3-frozen-checkpointing-0.16.4-0.16.9.patch",
+           "deepspeed/0006-zero3-frozen-checkpointing-0.17.0-0.18.0.patch",
+           "deepspeed/0006-zero3-frozen-checkpointing-0.18.1-0.19.0.patch",
+           "deepspeed/0006-zero3-frozen-checkpointing-0.19.1-0.19.2.patch"),
     fixed_marker=("deepspeed.runtime.zero.partitioned_param_coordinator",
                   "PartitionedParameterCoordinator.release_backward_leftovers"),  # PR 8148's new method
     # torch's message for any recompute that differs (plain PyTorch, FSDP, ...): a ZeRO-3 partitioned weight

@@ -71,7 +71,7 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/issues/8486", "https://github.com/deepspeedai/DeepSpeed/pull/8487"),
-    diffs={">=0.18.5,<=0.19.6": "deepspeed/0024-zero3-gather-handle-waited-once-0.18.5-0.19.6.patch"},
+    diffs=("deepspeed/0024-zero3-gather-handle-waited-once-0.18.5-0.19.6.patch",),
     signatures=(Signature(r"size mismatch, got input \(\d+\), mat \(\d+x\d+\), vec \(0\)", error="RuntimeError",
                           needs=(ENGINE_FORWARD, LINEAR)),
                 Signature(r"mat2 must be a matrix, got 1-D tensor", error="RuntimeError",

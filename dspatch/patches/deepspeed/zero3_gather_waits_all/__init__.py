@@ -55,7 +55,7 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/8539",),
-    diffs={">=0.14.0,<=0.19.7": "deepspeed/0011-zero3-gather-waits-all-0.14.0-0.19.7.patch"},
+    diffs=("deepspeed/0011-zero3-gather-waits-all-0.14.0-0.19.7.patch",),
     note=("Init._allgather_params_coalesced keeps its object, name and line numbers but runs code rebuilt from the "
           "installed file that waits for each launched all-gather"),
 )

@@ -61,7 +61,7 @@ PATCH = Patch(
     links=("https://github.com/deepspeedai/DeepSpeed/pull/8073", "https://github.com/deepspeedai/DeepSpeed/pull/8128",
            "https://github.com/deepspeedai/DeepSpeed/issues/8072", "https://github.com/huggingface/trl/issues/6089",
            "https://github.com/deepspeedai/DeepSpeed/pull/8066"),
-    diffs={"==0.19.2": "deepspeed/0022-zero3-lora-mixed-dtype-allgather-0.19.2.patch"},
+    diffs=("deepspeed/0022-zero3-lora-mixed-dtype-allgather-0.19.2.patch",),
     signatures=(Signature(r"output tensor must have the same type as input tensor", error="TypeError",
                           needs=(FRAME,)),
                 Signature(r"ProcessGroupGloo::allgather: invalid tensor type", needs=(FRAME,))),

@@ -131,10 +131,10 @@ PATCH = Patch(
            "https://github.com/deepspeedai/DeepSpeed/pull/6847"),
     supported=">=0.14.0",  # the oldest release fingerprinted and run; older ones cannot use the CPU accelerator
     # one diff per band of releases whose files differ around the change (each applies as it is)
-    diffs={">=0.14.0,<=0.15.3": "deepspeed/0001-zero3-module-id-to-ds_id-0.14.0-0.15.3.patch",
-           "==0.15.4": "deepspeed/0001-zero3-module-id-to-ds_id-0.15.4.patch",
-           ">=0.16.0,<=0.16.2": "deepspeed/0001-zero3-module-id-to-ds_id-0.16.0-0.16.2.patch",
-           "==0.16.3": "deepspeed/0001-zero3-module-id-to-ds_id-0.16.3.patch"},
+    diffs=("deepspeed/0001-zero3-module-id-to-ds_id-0.14.0-0.15.3.patch",
+           "deepspeed/0001-zero3-module-id-to-ds_id-0.15.4.patch",
+           "deepspeed/0001-zero3-module-id-to-ds_id-0.16.0-0.16.2.patch",
+           "deepspeed/0001-zero3-module-id-to-ds_id-0.16.3.patch"),
     # a frame that reads `ds_id` comes from 0.16.4 on, where this bug is fixed
     signatures=(Signature(r"pop from an empty deque", error="IndexError", context=(COORDINATOR_FRAME,),
                           unless=(r"\bds_id\b",),

@@ -60,8 +60,8 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/issues/7203", "https://github.com/deepspeedai/DeepSpeed/pull/8144",
            "https://github.com/deepspeedai/DeepSpeed/issues/7615"),
-    diffs={">=0.16.5,<=0.19.0": "deepspeed/0008-zero3-modules-to-save-grads-0.16.5-0.19.0.patch",
-           ">=0.19.1,<=0.19.2": "deepspeed/0008-zero3-modules-to-save-grads-0.19.1-0.19.2.patch"},
+    diffs=("deepspeed/0008-zero3-modules-to-save-grads-0.16.5-0.19.0.patch",
+           "deepspeed/0008-zero3-modules-to-save-grads-0.19.1-0.19.2.patch"),
     signatures=(Signature(r"'\w+' object has no attribute 'ds_grads_remaining'", error="AttributeError"),),
     note=("DeepSpeedZeRoOffload's hook registration keeps its object, name and line numbers but runs code rebuilt "
           "from the installed file that looks up a module's own backward functions in its __dict__"),

@@ -143,9 +143,9 @@ PATCH = Patch(
                        "block (it hangs at the first forward; `set_z3_leaf_modules` by hand makes it train)",
                   also="a hang of another cause: any collective one rank never reaches times out with these words"),
     ),
-    diffs={">=0.14.0,<=0.16.5": "deepspeed/0023-zero3-moe-leaf-modules-0.14.0-0.16.5.patch",
-           ">=0.16.6,<=0.19.0": "deepspeed/0023-zero3-moe-leaf-modules-0.16.6-0.19.0.patch",
-           ">=0.19.1,<=0.19.8": "deepspeed/0023-zero3-moe-leaf-modules-0.19.1-0.19.8.patch"},
+    diffs=("deepspeed/0023-zero3-moe-leaf-modules-0.14.0-0.16.5.patch",
+           "deepspeed/0023-zero3-moe-leaf-modules-0.16.6-0.19.0.patch",
+           "deepspeed/0023-zero3-moe-leaf-modules-0.19.1-0.19.8.patch"),
     note=("changes behaviour, not code: marks the sparse-MoE blocks of the model as ZeRO-3 leaves when none is set "
           "(DSPATCH_DISABLE or your own leaf modules / zero_optimization.leaf_module win)"),
 )

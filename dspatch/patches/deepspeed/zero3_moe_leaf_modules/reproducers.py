@@ -163,6 +163,7 @@ PROOF = Proof(
     # The releases of deepspeed that the release suite (tests/test_releases.py) checks: first and last.
     releases_checked=("0.14.0", "0.19.8"),
     others_with_and_without=({"transformers": "4.57.6"}, {"transformers": "5.0.0"}),
+    own_tests_in=("ds0183",),  # its own tests only (not the shared proofs) run there too
 )
 
 

@@ -80,8 +80,8 @@ PATCH = Patch(
     links=("https://github.com/deepspeedai/DeepSpeed/pull/8043", "https://github.com/huggingface/trl/issues/2304",
            "https://github.com/huggingface/trl/issues/4535", "https://github.com/huggingface/trl/pull/4693",
            "https://github.com/deepspeedai/DeepSpeed/pull/6662"),
-    diffs={">=0.15.4,<=0.16.3": "deepspeed/0007-zero3-trace-invalidation-0.15.4-0.16.3.patch",
-           ">=0.16.4,<=0.19.1": "deepspeed/0007-zero3-trace-invalidation-0.16.4-0.19.1.patch"},
+    diffs=("deepspeed/0007-zero3-trace-invalidation-0.15.4-0.16.3.patch",
+           "deepspeed/0007-zero3-trace-invalidation-0.16.4-0.19.1.patch"),
     # the message is also what a user-set module.id gives on <= 0.16.3 (deepspeed/zero3-module-id): a frame of
     # generation (or of a trainer that generates) in the traceback, or the versions, tell them apart
     signatures=(Signature(r"pop from an empty deque", error="IndexError", context=(COORDINATOR_FRAME + "|" + GENERATION,),

@@ -55,7 +55,7 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/7566", "https://github.com/deepspeedai/DeepSpeed/pull/6388"),
-    diffs={">=0.15.1,<=0.17.5": "deepspeed/0012-zero-init-inherited-init-0.15.1-0.17.5.patch"},
+    diffs=("deepspeed/0012-zero-init-inherited-init-0.15.1-0.17.5.patch",),
     # what DeepSpeed wraps next: the empty model's first parameter (a reward model in GRPO, or any model loaded
     # under ZeRO-3 and passed to deepspeed.initialize); the DeepSpeed frame alone is not this bug, a list of a model's
     # parameters can be empty for other reasons: offered, named with the warning of the weights left unused

@@ -91,9 +91,9 @@ PATCH = Patch(
     targets=TARGETS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/8376",),
-    diffs={">=0.15.3,<=0.15.4": "deepspeed/0010-zero-to-fp32-tied-weights-0.15.3-0.15.4.patch",
-           ">=0.16.0,<=0.19.6": "deepspeed/0010-zero-to-fp32-tied-weights-0.16.0-0.19.6.patch",
-           ">=0.19.7,<=0.19.8": "deepspeed/0010-zero-to-fp32-tied-weights.patch"},
+    diffs=("deepspeed/0010-zero-to-fp32-tied-weights-0.15.3-0.15.4.patch",
+           "deepspeed/0010-zero-to-fp32-tied-weights-0.16.0-0.19.6.patch",
+           "deepspeed/0010-zero-to-fp32-tied-weights-0.19.7-0.19.8.patch"),
     # safetensors' message wherever tied weights are saved: zero_to_fp32's frames or its own output decide
     signatures=(Signature(SHARED, error="RuntimeError", context=(CONVERTING,)),),
     note=("deepspeed.utils.zero_to_fp32's converter keeps its object, name and line numbers but runs code rebuilt "

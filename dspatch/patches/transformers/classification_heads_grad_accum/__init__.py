@@ -88,8 +88,8 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/huggingface/transformers/issues/47688",
            "https://github.com/huggingface/transformers/pull/40746"),
-    diffs={">=4.49.0,<=4.52.4": "transformers/0008-classification-heads-grad-accum-4.49.0-4.52.4.patch",
-           ">=4.53.0,<=4.57.6": "transformers/0008-classification-heads-grad-accum-4.53.0-4.57.6.patch",
-           ">=5.0.0,<=5.1.0": "transformers/0008-classification-heads-grad-accum-5.0.0-5.1.0.patch",
-           ">=5.2.0,<=5.24.0": "transformers/0008-classification-heads-grad-accum.patch"},
+    diffs=("transformers/0008-classification-heads-grad-accum-4.49.0-4.52.4.patch",
+           "transformers/0008-classification-heads-grad-accum-4.53.0-4.57.6.patch",
+           "transformers/0008-classification-heads-grad-accum-5.0.0-5.1.0.patch",
+           "transformers/0008-classification-heads-grad-accum-5.2.0-5.24.0.patch"),
 )

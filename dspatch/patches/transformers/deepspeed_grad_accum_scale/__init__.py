@@ -66,9 +66,9 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/huggingface/transformers/pull/35808",),
-    diffs={">=4.46.2,<=4.47.1": "transformers/0003-deepspeed-grad-accum-scale-4.46.2-4.47.1.patch",
-           "==4.48.0": "transformers/0003-deepspeed-grad-accum-scale-4.48.0.patch",
-           ">=4.48.1,<=4.48.3": "transformers/0003-deepspeed-grad-accum-scale-4.48.1-4.48.3.patch"},
+    diffs=("transformers/0003-deepspeed-grad-accum-scale-4.46.2-4.47.1.patch",
+           "transformers/0003-deepspeed-grad-accum-scale-4.48.0.patch",
+           "transformers/0003-deepspeed-grad-accum-scale-4.48.1-4.48.3.patch"),
     note=("Trainer.training_step keeps its object, name and line numbers but runs code rebuilt from the installed "
           "file that passes scale_wrt_gas=False to DeepSpeed's backward for a window-normalized loss"),
 )

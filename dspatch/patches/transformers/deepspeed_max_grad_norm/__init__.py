@@ -66,6 +66,6 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/huggingface/transformers/issues/37566", "https://github.com/deepspeedai/DeepSpeed/pull/8068",
            "https://github.com/axolotl-ai-cloud/axolotl/issues/1381"),
-    diffs={">=4.44.0,<=4.57.6": "transformers/0007-deepspeed-max-grad-norm-4.44.0-4.57.6.patch",
-           ">=5.0.0,<=5.24.0": "transformers/0007-deepspeed-max-grad-norm.patch"},
+    diffs=("transformers/0007-deepspeed-max-grad-norm-4.44.0-4.57.6.patch",
+           "transformers/0007-deepspeed-max-grad-norm-5.0.0-5.24.0.patch"),
 )

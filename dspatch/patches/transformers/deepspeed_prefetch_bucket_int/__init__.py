@@ -67,7 +67,7 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/issues/6525", "https://github.com/huggingface/transformers/pull/33402"),
-    diffs={">=4.38.0,<=4.44.2": "transformers/0004-deepspeed-prefetch-bucket-int-4.38.0-4.44.2.patch"},
+    diffs=("transformers/0004-deepspeed-prefetch-bucket-int-4.38.0-4.44.2.patch",),
     signatures=(Signature(r"Input should be a valid integer, got a number with a fractional part",
                           needs=(names_the_bucket,)),),
     note=("HfTrainerDeepSpeedConfig.trainer_config_finalize keeps its object, name and line numbers but runs code "

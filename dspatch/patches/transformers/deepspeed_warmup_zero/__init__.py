@@ -62,6 +62,6 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/huggingface/transformers/pull/48640",),
-    diffs={">=4.44.0,<=5.17.0": "transformers/0009-deepspeed-warmup-zero-4.44.0-5.17.0.patch"},
+    diffs=("transformers/0009-deepspeed-warmup-zero-4.44.0-5.17.0.patch",),
     signatures=(Signature(REFUSED, error="ValueError", context=(r"trainer\.py|deepspeed_init|_inner_training_loop",)),),
 )

@@ -132,7 +132,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/huggingface/transformers/pull/41416", "https://github.com/huggingface/trl/issues/4416",
            "https://github.com/huggingface/peft/issues/2892", "https://github.com/deepspeedai/DeepSpeed/pull/7900"),
-    diffs={">=4.44.0,<=4.57.6": "transformers/0002-peft-zero3-save-4.44.0-4.57.6.patch"},
+    diffs=("transformers/0002-peft-zero3-save-4.44.0-4.57.6.patch",),
     # The bug raises nothing. What its log shows is the Trainer's warning for this fallback; the same line is
     # logged (correctly) for a model without PEFT, whose full weights are in DeepSpeed's checkpoint: with PEFT it
     # means the adapter file is empty.

@@ -66,7 +66,7 @@ PATCH = Patch(
     apply=apply,
     links=("https://github.com/huggingface/transformers/issues/34631",
            "https://github.com/huggingface/transformers/pull/34632"),
-    diffs={">=4.38.0,<=4.46.3": "transformers/0006-resume-rng-weights-only-4.38.0-4.46.3.patch"},
+    diffs=("transformers/0006-resume-rng-weights-only-4.38.0-4.46.3.patch",),
     # the refusal of any torch.load: the Trainer's RNG load's own frame decides (torch prints bold escapes inside
     # the first sentence, hence its first words only)
     signatures=(Signature(r"Weights only load failed", error="UnpicklingError",

@@ -170,10 +170,10 @@ PATCH = Patch(
            "https://github.com/huggingface/transformers/pull/43711",
            "https://github.com/huggingface/transformers/pull/43780"),
     # the backport, one diff per band of releases whose files differ around the change; 5.1.0: PR 43780 only
-    diffs={">=4.44.0,<=4.56.2": "transformers/0001-trainer-scheduler-after-deepspeed-4.44.0-4.56.2.patch",
-           ">=4.57.1,<=4.57.6": "transformers/0001-trainer-scheduler-after-deepspeed-4.57.1-4.57.6.patch",
-           "==5.0.0": "transformers/0001-trainer-scheduler-after-deepspeed-5.0.0.patch",
-           "==5.1.0": "transformers/0001-trainer-scheduler-after-deepspeed-5.1.0.patch"},
+    diffs=("transformers/0001-trainer-scheduler-after-deepspeed-4.44.0-4.56.2.patch",
+           "transformers/0001-trainer-scheduler-after-deepspeed-4.57.1-4.57.6.patch",
+           "transformers/0001-trainer-scheduler-after-deepspeed-5.0.0.patch",
+           "transformers/0001-trainer-scheduler-after-deepspeed-5.1.0.patch"),
     # a custom accelerate loop gives the same message (accelerate/deepspeed-scheduler-param-groups): frames decide
     signatures=(Signature(r"zip\(\) argument 2 is longer than argument 1", error="ValueError", needs=(r"lr_scheduler",),
                           hints=(r"transformers[/\\]trainer\.py",),

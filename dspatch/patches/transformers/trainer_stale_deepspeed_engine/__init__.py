@@ -17,7 +17,7 @@ fix; see also transformers issue 26874). Two things of one Trainer outlive the e
 
 The fix, only where DeepSpeed is enabled:
 - `Trainer._inner_training_loop` (what `train()` runs) first takes every engine an earlier `evaluate()` or `train()`
-  left behind off the model (destroyed; ZeRO-3 with the hook 0.14.0-0.16.5 leave, see patches/engine_handover.py),
+  left behind off the model (destroyed; ZeRO-3 with the hook 0.14.0-0.16.5 leave, see dspatch/patches/engine_handover.py),
   points `model_wrapped` back at the model, and puts the DeepSpeed config back as it was before any engine was built (in
   place: the same objects, which `is_deepspeed_zero3_enabled()` reads). The loop then builds its engine from the config
   as configured, exactly as a first `train()`.
@@ -163,12 +163,12 @@ PATCH = Patch(
            "https://github.com/huggingface/transformers/issues/26874"),
     # one diff per band of releases whose trainer.py differs around its lines (each applies as it is); the last one
     # is the one to forward upstream
-    diffs={">=4.44.0,<=4.51.3": "transformers/0005-trainer-stale-deepspeed-engine-4.44.0-4.51.3.patch",
-           ">=4.52.1,<=4.52.4": "transformers/0005-trainer-stale-deepspeed-engine-4.52.1-4.52.4.patch",
-           ">=4.53.0,<=4.57.6": "transformers/0005-trainer-stale-deepspeed-engine-4.53.0-4.57.6.patch",
-           ">=5.0.0,<=5.1.0": "transformers/0005-trainer-stale-deepspeed-engine-5.0.0-5.1.0.patch",
-           "==5.2.0": "transformers/0005-trainer-stale-deepspeed-engine-5.2.0.patch",
-           ">=5.3.0,<=5.24.0": "transformers/0005-trainer-stale-deepspeed-engine.patch"},
+    diffs=("transformers/0005-trainer-stale-deepspeed-engine-4.44.0-4.51.3.patch",
+           "transformers/0005-trainer-stale-deepspeed-engine-4.52.1-4.52.4.patch",
+           "transformers/0005-trainer-stale-deepspeed-engine-4.53.0-4.57.6.patch",
+           "transformers/0005-trainer-stale-deepspeed-engine-5.0.0-5.1.0.patch",
+           "transformers/0005-trainer-stale-deepspeed-engine-5.2.0.patch",
+           "transformers/0005-trainer-stale-deepspeed-engine-5.3.0-5.24.0.patch"),
     # the same lines come from a model that never went through DeepSpeed's prepare: only an earlier evaluation's or
     # training's output in the log points to this cause
     signatures=(Signature(r"'NoneType' object has no attribute 'backward'", error="AttributeError",

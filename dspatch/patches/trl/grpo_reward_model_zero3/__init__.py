@@ -59,7 +59,7 @@ PATCH = Patch(
     targets=FINGERPRINTS,
     apply=apply,
     links=("https://github.com/huggingface/trl/issues/3202", "https://github.com/huggingface/trl/pull/3326"),
-    diffs={">=0.14.0,<=0.16.1": "trl/0003-grpo-reward-model-zero3-0.14.0-0.16.1.patch"},
+    diffs=("trl/0003-grpo-reward-model-zero3-0.14.0-0.16.1.patch",),
     # messages any partitioned or mismatched embedding gives: GRPO's own frames decide
     signatures=(Signature(r"Padding_idx must be within num_embeddings", error="RuntimeError|AssertionError",
                           needs=(GRPO_FRAME, REWARD_CALL)),

@@ -125,9 +125,9 @@ PATCH = Patch(
     links=("https://github.com/huggingface/trl/issues/2885", "https://github.com/huggingface/trl/issues/2122"),
     supported=">=0.11.0",
     # one diff per file location; made with 2 lines of context, each applies to every release of its band
-    diffs={">=0.11.0,<0.12.0": "trl/0001-ppo-deepspeed-save-ppov2_trainer-0.11.0-0.11.4.patch",
-           ">=0.12.0,<0.26.0": "trl/0001-ppo-deepspeed-save-ppo_trainer-0.12.0-0.25.1.patch",
-           ">=0.26.0,<1.13.0": "trl/0001-ppo-deepspeed-save-experimental-0.26.0-1.12.0.patch"},
+    diffs=("trl/0001-ppo-deepspeed-save-ppov2_trainer-0.11.0-0.11.4.patch",
+           "trl/0001-ppo-deepspeed-save-ppo_trainer-0.12.0-0.25.1.patch",
+           "trl/0001-ppo-deepspeed-save-experimental-0.26.0-1.12.0.patch"),
     # not 'NoneType' (an older trl/transformers bug with another cause: no engine at all)
     signatures=(Signature(r"'(?!NoneType')\w+' object has no attribute 'zero_gather_16bit_weights_on_model_save'",
                           error="AttributeError"),

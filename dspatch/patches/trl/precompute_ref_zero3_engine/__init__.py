@@ -15,7 +15,7 @@ ZeRO-3 with no engine at all and fails otherwise (`'weight' must be 2-D`): not t
 The cause is the kept engine's trace, not the engine itself: after a single forward it is still recording, and the next
 forward (the training engine's, which renumbered the modules) completes it from module ids that no longer match. The
 fix: when a reference pass ends, the engine it used forgets its trace (its parameter coordinator's trace is invalidated,
-patches/engine_handover.py), so that the next forward records one afresh; trl keeps and reuses the engine as before.
+dspatch/patches/engine_handover.py), so that the next forward records one afresh; trl keeps and reuses the engine as before.
 With two batches or more stock already trains so (its trace recorded and complete before the training engine exists):
 the fixed run trains exactly as that one, bit for bit. Proven against the same training without DeepSpeed: reference
 log-probs equal; losses within 1e-4 and weights within 1e-5 at ZeRO-3; ZeRO-2 bit-identical. The no-harm matrix runs it
@@ -90,11 +90,11 @@ PATCH = Patch(
     links=("https://github.com/huggingface/trl/pull/6403", "https://github.com/huggingface/trl/issues/2985"),
     # one diff per band of releases whose files differ around its lines (each applies as it is); the last one is
     # the one to forward upstream
-    diffs={">=1.9.0,<=1.12.0": "trl/0004-precompute-ref-zero3-engine-1.9.0-1.12.0.patch",
-           "==1.13.0": "trl/0004-precompute-ref-zero3-engine-1.13.0.patch",
-           ">=1.14.0,<=1.14.1": "trl/0004-precompute-ref-zero3-engine-1.14.0-1.14.1.patch",
-           "==1.14.2": "trl/0004-precompute-ref-zero3-engine-1.14.2.patch",
-           ">=1.15.0,<=1.16.0": "trl/0004-precompute-ref-zero3-engine.patch"},
+    diffs=("trl/0004-precompute-ref-zero3-engine-1.9.0-1.12.0.patch",
+           "trl/0004-precompute-ref-zero3-engine-1.13.0.patch",
+           "trl/0004-precompute-ref-zero3-engine-1.14.0-1.14.1.patch",
+           "trl/0004-precompute-ref-zero3-engine-1.14.2.patch",
+           "trl/0004-precompute-ref-zero3-engine-1.15.0-1.16.0.patch"),
     signatures=(signature(DPO_FRAME),),
     note="DPOTrainer._precompute_ref_logps is wrapped: once per reference pass, nothing per step",
 )

@@ -30,7 +30,7 @@ PATCH = Patch(
     targets=KTO_FINGERPRINTS,
     apply=apply,
     links=DPO_PATCH.links,
-    diffs=DPO_PATCH.diffs,  # one upstream change for both trainers
+    diffs=DPO_PATCH.diffs.values(),  # one upstream change for both trainers
     signatures=(signature(r"trl[/\\]trainer[/\\]kto_trainer\.py"),),
     note="KTOTrainer._precompute_ref_logps is wrapped: once per reference pass, nothing per step",
 )

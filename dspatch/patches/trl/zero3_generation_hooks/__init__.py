@@ -78,7 +78,7 @@ PATCH = Patch(
     links=("https://github.com/huggingface/trl/issues/2962", "https://github.com/huggingface/trl/pull/2963",
            "https://github.com/deepspeedai/DeepSpeed/pull/6847"),
     supported=">=0.8.2",
-    diffs={">=0.8.2,<=0.15.2": "trl/0002-zero3-generation-hooks-0.8.2-0.15.2.patch"},
+    diffs=("trl/0002-zero3-generation-hooks-0.8.2-0.15.2.patch",),
     signatures=(Signature(SIGNATURE, error="AttributeError", unless=(OTHER_COPY,)),),
     note=("trl.models.utils.add_hooks keeps its object, name and line numbers but runs code rebuilt from the "
           "installed file with `_register_hooks_recursively` read as `_register_deepspeed_module`"),
