@@ -52,17 +52,6 @@ KNOWN = (
                  "https://github.com/deepspeedai/DeepSpeed/pull/8245"),
           note=("measured on 0.18.3 and 0.19.2 at GA 2 (every ZeRO stage, fp32 and bf16, one rank or two): the "
                 "branch around the engine counts exactly GA times; right on 0.19.8")),
-    Known("deepspeed/zero0-bf16-checkpoint", "deepspeed", ">=0.17.6,<0.18.5", "0.18.5",
-          effect=("bf16 at ZeRO stage 0: save_checkpoint leaves the optimizer's state out, and a resumed run restarts "
-                  "Adam: step count and moments anew (0.18.0-0.18.4, silently); on 0.17.6 load_checkpoint raises "
-                  "AttributeError 'dp_process_group'"),
-          advice=("upgrade to 0.18.5, or train bf16 at ZeRO stage 1 or 2, whose checkpoints hold the optimizer's "
-                  "state"),
-          links=("https://github.com/deepspeedai/DeepSpeed/pull/7786",),
-          note=("measured on 0.18.2 and 0.18.3 (bf16, stage 0, AdamW, the client's and the config's): after "
-                "save_checkpoint at step 2 and load_checkpoint, Adam's step count is the new engine's own; the "
-                "resumed weights are 0.05 off the uninterrupted run's. 0.17.6 read from its source: its "
-                "load_checkpoint takes the ZeRO path for bf16")),
 )
 
 
