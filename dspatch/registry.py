@@ -55,6 +55,8 @@ def _declared(module, package: str, name: str) -> Patch:
                            f"'{package}/{name.replace('_', '-')}' for {package!r}")
     if not os.path.isfile(os.path.join(os.path.dirname(module.__file__), "reproducers.py")):
         raise RuntimeError(f"dspatch: {where} has no reproducers.py beside it")
+    if not patch.all_targets:  # every verdict starts from a target: none would fail later, with a worse message
+        raise RuntimeError(f"dspatch: {where} declares no targets")
     return patch
 
 

@@ -4,7 +4,8 @@ The folder it writes is everything about the patch that is written by hand excep
 and its declaration (`__init__.py`), the reproducers and what they prove (`reproducers.py`), the patch's own tests
 (`test_some_bug.py`) and an empty `logs/` for the real logs of the bug. The registry finds it at once; nothing else is
 edited. The template loads (the registry's checks pass) and fails until filled in: its fix and its reproducer raise
-NotImplementedError, and the registry's tests refuse a patch without targets, links or a band of releases checked.
+NotImplementedError, its placeholder target matches no installed source (so it never applies), and the registry's
+tests refuse a patch without fingerprints, links or a band of releases checked.
 CONTRIBUTING.md says what to fill in, in order.
 """
 import os
@@ -37,7 +38,8 @@ PATCH = Patch(
     affected=">=0",  # TODO the releases with the bug (a PEP 440 specifier)
     fixed_in=None,  # the first release fixed upstream; None while open
     # {{(module, qualname): {{fingerprint: "first-last release"}}}}: `python tests/upstream_releases.py {id} FIRST LAST`
-    targets={{}},
+    # prints the fingerprints. Until then no source matches this placeholder: the patch is left out, never applied.
+    targets={{("{package}", "TODO_the_function_it_fixes"): {{}}}},
     apply=apply,
     links=(),  # TODO upstream's issue and PR
     diffs=(),  # ("{package}/NNNN-{name}-<first>-<last>.patch", ...): one per band of released source, named for it
