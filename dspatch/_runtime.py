@@ -8,7 +8,7 @@ import sys
 import threading
 
 from dspatch import _hook, gating, registry
-from dspatch.changes import AttributeChange, CodeChange, wrapper_type
+from dspatch.changes import AttributeChange, CodeChange, lookup, wrapper_type  # noqa: F401 (lookup: by name in pickles)
 
 class _State:
     """What this process has selected, applied and said: one object, guarded by its one lock."""

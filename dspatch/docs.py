@@ -81,7 +81,7 @@ def full_table():
 
 
 def _on(patch, releases):
-    """A STOCK_FAILS_ON value in words: "deepspeed <0.18.0, transformers <4.40.0 or >=4.52.0"."""
+    """A Proof.stock_fails_on value in words: "deepspeed <0.18.0, transformers <4.40.0 or >=4.52.0"."""
     from dspatch.spec import stock_fails_on
 
     spans = stock_fails_on(patch.distribution, releases)

@@ -34,11 +34,11 @@ def all_patches() -> dict[str, Patch]:
 
 def patch_folders() -> list[tuple[str, str]]:
     """(package, name) of every folder dspatch/patches/<package>/<name>/ with an __init__.py, by package and name:
-    the registry's order (the order patches apply in, and their rows)."""
+    the registry's order (the order patches apply in, and their rows). A name starting with "_" is a helper."""
     root = os.path.dirname(_patches_pkg.__file__)
     return [(package, name) for package in distribution_folders(root)
             for name in sorted(os.listdir(os.path.join(root, package)))
-            if os.path.isfile(os.path.join(root, package, name, "__init__.py"))]
+            if not name.startswith("_") and os.path.isfile(os.path.join(root, package, name, "__init__.py"))]
 
 
 def _declared(module, package: str, name: str) -> Patch:

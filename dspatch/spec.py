@@ -71,7 +71,7 @@ class Signature:
 
 
 def stock_fails_on(distribution, releases):
-    """A STOCK_FAILS_ON value as {distribution: (specifier, ...)} (any of a distribution's specifiers will do)."""
+    """A Proof.stock_fails_on value as {distribution: (specifier, ...)} (any of a distribution's specifiers will do)."""
     if isinstance(releases, str):
         releases = {distribution: releases}
     return {name: (specs,) if isinstance(specs, str) else tuple(specs) for name, specs in releases.items()}
@@ -102,7 +102,14 @@ def band_of(path: str) -> str:
     if not found:
         raise TypeError(f"{path}: a diff's name ends with the band of releases it applies to (-FIRST-LAST.patch)")
     first, last = found.groups()
-    return f">={first},<={last}" if last else f"=={first}"
+    if last:
+        from dspatch.versions import Version
+
+        if Version(first) > Version(last):  # "...-torch-2.6-0.18.4.patch": a description ending in a version
+            raise TypeError(f"{path}: its band {first}-{last} runs backwards (the name before the band must not end "
+                            "in a version)")
+        return f">={first},<={last}"
+    return f"=={first}"
 
 
 class Patch:
@@ -309,7 +316,7 @@ class Patch:
         return f"<Patch {self.id}>"
 
 
-# a STOCK_FAILS_ON entry: a specifier of the patch's distribution, or {distribution: specifier or specifiers (any)}
+# a Proof.stock_fails_on entry: a specifier of the patch's distribution, or {distribution: specifier or specifiers (any)}
 StockFailsOn = Union[str, Mapping[str, Union[str, tuple[str, ...]]]]
 
 

@@ -290,7 +290,7 @@ def run_ranks(args, env, fresh, check=True, **kwargs):
 
 # Seconds per patch: every stack session ends with what each patch's proofs cost on that stack (the cost of a
 # patch, kept visible as the catalogue grows). A test counts for the patch it names: its `pid` parameter, else the
-# patch whose folder it is in; the rest (runtime, harness, launchers) is "(shared)".
+# patch whose folder it is in, else its module's PID; the rest (runtime, harness, launchers) is "(shared)".
 PATCHES_DIR = os.path.join(ROOT, "dspatch", "patches")
 
 
@@ -300,6 +300,8 @@ def _patch_of(item):
         where = os.path.relpath(str(item.fspath), PATCHES_DIR).split(os.sep)
         if len(where) == 3 and where[0] != "..":  # <package>/<name>/test_x.py
             pid = f"{where[0]}/{where[1].replace('_', '-')}"
+        else:  # a file of tests/ about one patch names it
+            pid = getattr(getattr(item, "module", None), "PID", None)
     return pid if isinstance(pid, str) and "/" in pid else "(shared)"
 
 

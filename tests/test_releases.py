@@ -1,7 +1,7 @@
 """Every patch of the registry against every release of its package in the range it is checked on: the released
 sources (sdists, or the wheel of a release published without one), read, never executed. One suite for all
-patches; what is specific to a patch is what its reproducers module declares (RELEASES_CHECKED,
-OTHERS_WITH_AND_WITHOUT) and, for what one patch alone needs, its own test module (tests marked unit_only).
+patches; what is specific to a patch is what its reproducers declare in their Proof (releases_checked,
+others_with_and_without) and, for what one patch alone needs, its own test module (tests marked unit_only).
 
 For every release: the verdict is the one the declaration gives (fixed upstream / not affected / unsupported /
 applies), and where it applies the release's own source has a recorded fingerprint, exactly one diff band covers
@@ -33,7 +33,7 @@ OTHERS = {pid: patch.others_with_and_without for pid, patch in PATCHES.items() i
 
 
 def test_every_patch_is_checked():
-    assert set(CHECKED) == set(PATCHES), f"no RELEASES_CHECKED in the reproducers of {set(PATCHES) - set(CHECKED)}"
+    assert set(CHECKED) == set(PATCHES), f"no releases_checked in the Proof of {set(PATCHES) - set(CHECKED)}"
 
 
 RELEASES = {pid: release_versions(PATCHES[pid].distribution, *CHECKED[pid]) for pid in CHECKED}

@@ -77,7 +77,7 @@ PID = "{id}"
 
 @pytest.mark.unit_only
 def test_declared():
-    assert registry.all_patches()[PID].targets, "declare the targets (see CONTRIBUTING.md)"
+    assert all(t.fingerprints for t in registry.all_patches()[PID].targets), "declare the targets (CONTRIBUTING.md)"
 '''
 
 
