@@ -112,9 +112,12 @@ def run(kind, by_hand):
 
 
 def _how_it_failed(error):
-    """gloo's abort on a collective of another size (SIGABRT), or the deadline (NCCL's hang); None: otherwise."""
+    """gloo's abort on a collective of another size (SIGABRT), or its error for one (which of the two a rank meets
+    depends on timing: both were seen on bridge), or the deadline (NCCL's hang); None: otherwise."""
     if " exited -6:" in error or "SIGABRT" in error:  # forked ranks, or torchrun's report
         return "gloo aborted on a collective of another size"
+    if "Received data size doesn't match expected size" in error:
+        return "gloo refused a collective of another size"
     if " exited -9:" in error or error.startswith("TimeoutExpired"):
         return f"the job passed the {DEADLINE} s deadline"
     return None
