@@ -41,16 +41,25 @@ def _adam_state(engine):
     return found
 
 
-def _resumed(optimizer_from_config):
+def _batches(count):
+    from dspatch.scenario import lm_batches, on_accelerator
+
+    return [{key: on_accelerator(value) for key, value in batch.items()} for batch in lm_batches(count)]
+
+
+def _train(engine, batches):
+    from dspatch.scenario import lm_loss
+
+    for batch in batches:
+        engine.backward(lm_loss(engine, batch))
+        engine.step()
+
+
+def _saved_and_loaded(saved, optimizer_from_config):
+    """A new engine that loaded what `saved` wrote with save_checkpoint (in a folder removed afterwards)."""
     import shutil
     import tempfile
 
-    from dspatch.scenario import lm_batches, lm_loss, on_accelerator
-
-    saved = _engine(optimizer_from_config)
-    for batch in lm_batches(STEPS):
-        saved.backward(lm_loss(saved, {key: on_accelerator(value) for key, value in batch.items()}))
-        saved.step()
     folder = tempfile.mkdtemp(prefix="dspatch-zero0-bf16-checkpoint-")
     try:
         saved.save_checkpoint(folder, tag="resume")
@@ -58,6 +67,13 @@ def _resumed(optimizer_from_config):
         resumed.load_checkpoint(folder, tag="resume")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    return resumed
+
+
+def _resumed(optimizer_from_config):
+    saved = _engine(optimizer_from_config)
+    _train(saved, _batches(STEPS))
+    resumed = _saved_and_loaded(saved, optimizer_from_config)
     want, got = _adam_state(saved), _adam_state(resumed)
     steps = lambda state: sorted({float(s[0]) for s in state.values() if s})
     if not all(want[key] and len(want[key]) == 3 for key in want):
@@ -93,28 +109,13 @@ PROOF = Proof(
 def resumed_against_uninterrupted(optimizer_from_config=False):
     """The largest difference between the weights of a run of STEPS + 1 steps and those of the same run saved after
     STEPS steps and resumed in a new engine for the last one (0.0 when the resume restores everything)."""
-    import shutil
-    import tempfile
+    from dspatch.scenario import weights, worst
 
-    from dspatch.scenario import lm_batches, lm_loss, on_accelerator, weights, worst
-
-    batches = [{key: on_accelerator(value) for key, value in batch.items()} for batch in lm_batches(STEPS + 1)]
-
-    def train(engine, part):
-        for batch in part:
-            engine.backward(lm_loss(engine, batch))
-            engine.step()
-
+    batches = _batches(STEPS + 1)
     whole = _engine(optimizer_from_config)
-    train(whole, batches)
+    _train(whole, batches)
     first = _engine(optimizer_from_config)
-    train(first, batches[:STEPS])
-    folder = tempfile.mkdtemp(prefix="dspatch-zero0-bf16-checkpoint-")
-    try:
-        first.save_checkpoint(folder, tag="resume")
-        resumed = _engine(optimizer_from_config)
-        resumed.load_checkpoint(folder, tag="resume")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    train(resumed, batches[STEPS:])
+    _train(first, batches[:STEPS])
+    resumed = _saved_and_loaded(first, optimizer_from_config)
+    _train(resumed, batches[STEPS:])
     return worst(weights(resumed.module), weights(whole.module))
