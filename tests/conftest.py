@@ -51,9 +51,12 @@ def pytest_collection_modifyitems(config, items):
         prove, own_tests = proven_here()
         if not prove + own_tests:
             raise pytest.UsageError(f"no patch names the session {STACK!r} in its Proof (proven_in, own_tests_in)")
-        kept = [item for item in items if _patch_of(item) in prove or _proves_nothing(item)
-                or (_patch_of(item) in own_tests and str(item.fspath).startswith(PATCHES_DIR))]
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        kept, others = [], []
+        for item in items:
+            pid = _patch_of(item)
+            here = pid in prove or _proves_nothing(item) or (pid in own_tests and str(item.fspath).startswith(PATCHES_DIR))
+            (kept if here else others).append(item)
+        config.hook.pytest_deselected(items=others)
         items[:] = kept
     rank = {name: number for number, name in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: files stay whole

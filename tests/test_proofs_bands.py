@@ -10,7 +10,7 @@ import pytest
 from dspatch import gating, registry
 from dspatch import upstream
 
-from conftest import _succeeded, clean_env, last_json, run_python, verify
+from conftest import OUTSIDE_MATRIX, STACK, _succeeded, clean_env, last_json, run_python, verify
 from test_proofs import APPLICABLE
 
 pytestmark = pytest.mark.stack
@@ -161,8 +161,6 @@ def _other_small_sessions_install(distribution):
     return {v for name, pins in small.items() if name != STACK for v in _pinned(pins, distribution)}
 
 
-STACK = os.environ.get("DSPATCH_TEST_STACK")
-OUTSIDE_MATRIX = STACK is not None and STACK not in json.loads(os.environ.get("DSPATCH_MATRIX", "{}"))
 BANDS = (_bands_no_stack_runs() if STACK == "old" else _other_releases_of_this_sessions_bands() if OUTSIDE_MATRIX
          else [])
 

@@ -300,6 +300,21 @@ def test_ci_runs_the_readme_test_command():
     assert "test-command" in open(os.path.join(ROOT, ".ci", "run")).read()
 
 
+def import_cycles(graph):
+    """The cycles of an import graph ({node: the nodes it imports}), one path from each node that starts one."""
+    def cycle_from(start, path):
+        for nxt in graph.get(path[-1], ()):
+            if nxt == start:
+                return path + [nxt]
+            if nxt not in path:
+                found = cycle_from(start, path + [nxt])
+                if found:
+                    return found
+        return None
+
+    return [c for c in (cycle_from(m, [m]) for m in graph) if c]
+
+
 def test_dspatch_modules_import_each_other_one_way():
     """No cycle among dspatch's own modules, counting imports inside functions too: _hook at the bottom, _boot
     (the start-up entry) and the command-line modules at the top."""
@@ -340,17 +355,7 @@ def test_dspatch_modules_import_each_other_one_way():
                 uses.update(a.name.split(".")[1] for a in node.names if a.name.startswith("dspatch."))
         graph[module] = {u for u in uses if u != module and exists(u)}
 
-    def cycle_from(start, path):
-        for nxt in graph.get(path[-1], ()):
-            if nxt == start:
-                return path + [nxt]
-            if nxt not in path:
-                found = cycle_from(start, path + [nxt])
-                if found:
-                    return found
-        return None
-
-    cycles = [c for c in (cycle_from(m, [m]) for m in graph) if c]
+    cycles = import_cycles(graph)
     assert not cycles, cycles
     assert graph["_hook"] == set() and graph["versions"] == set() and graph["_cache"] <= {"_hook"}, graph
     assert graph["upstream"] <= {"_hook", "_cache", "versions"}, graph  # reading what is installed
@@ -499,11 +504,8 @@ def test_the_patches_imports_are_plain_imports_of_files():
                 if target != here:
                     graph.setdefault(here, set()).add(target)
 
-    def reaches(start, goal, seen=()):
-        return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, (*seen, nxt))) for nxt in graph.get(start, ()))
-
     assert sum(map(len, graph.values())) >= 8, graph  # the patches do share code: the graph is there to read
-    assert not [folder for folder in graph if reaches(folder, folder)], graph
+    assert not import_cycles(graph), graph
 
 
 def test_the_sessions_a_patch_names_are_the_noxfiles():

@@ -1,11 +1,9 @@
 """deepspeed/zero0-bf16-checkpoint beyond the shared proofs: the resumed run's weights, a stock checkpoint, and the
 bf16 engines it leaves alone."""
-import json
-import os
 
 import pytest
 
-from conftest import clean_env, run_python
+from conftest import clean_env, last_json, run_python
 from dspatch import gating, registry
 
 PID = "deepspeed/zero0-bf16-checkpoint"
@@ -20,9 +18,10 @@ def _applies():
         pytest.skip(f"{PID}: {found.reason}")
 
 
-def _run(code, dspatch):
-    proc = run_python(["-c", code], env=clean_env(DSPATCH=dspatch) if dspatch else clean_env(), warm="stack")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _run(code, dspatch, *args):
+    """The last line `code` prints, as JSON, run with DSPATCH=`dspatch` (None: stock) and `args` as sys.argv[1:]."""
+    env = clean_env(DSPATCH=dspatch) if dspatch else clean_env()
+    return last_json(run_python(["-c", code, *args], env=env, warm="stack"))
 
 
 RESUMED = ("import json\n"
@@ -60,10 +59,8 @@ def test_a_checkpoint_stock_wrote_loads_as_on_stock(tmp_path):
     load, the new engine keeps its own optimizer state) instead of failing on the missing state."""
     _applies()
     folder = str(tmp_path / "ckpt")
-    saved = json.loads(run_python(["-c", STOCK_SAVE, folder], env=clean_env(),
-                                  warm="stack").stdout.strip().splitlines()[-1])
-    own, loaded = json.loads(run_python(["-c", PATCHED_LOAD, folder], env=clean_env(DSPATCH=PID),
-                                        warm="stack").stdout.strip().splitlines()[-1])
+    saved = _run(STOCK_SAVE, None, folder)
+    own, loaded = _run(PATCHED_LOAD, PID, folder)
     assert saved != own and loaded == own, (saved, own, loaded)
 
 
@@ -88,13 +85,8 @@ def test_fp32_gradient_accumulation_runs_the_same_wrapper_and_is_fixed_too(tmp_p
     without an optimizer gets): stock's model file holds no optimizer state, the patched one does, and nothing else
     (no ZeRO file) is written either way."""
     _applies()
-    stock = _run_in(FP32_ACCUMULATION, str(tmp_path / "stock"), None)
-    patched = _run_in(FP32_ACCUMULATION, str(tmp_path / "patched"), PID)
+    stock = _run(FP32_ACCUMULATION, None, str(tmp_path / "stock"))
+    patched = _run(FP32_ACCUMULATION, PID, str(tmp_path / "patched"))
     assert stock == ["FP16_UnfusedOptimizer", True, ["mp_rank_00_model_states.pt"]], stock
     assert patched == ["FP16_UnfusedOptimizer", False, ["mp_rank_00_model_states.pt"]], patched
 
-
-def _run_in(code, folder, dspatch):
-    os.makedirs(folder)
-    env = clean_env(DSPATCH=dspatch) if dspatch else clean_env()
-    return json.loads(run_python(["-c", code, folder], env=env, warm="stack").stdout.strip().splitlines()[-1])
