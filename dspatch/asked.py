@@ -13,7 +13,7 @@ def say(message):
     print(f"dspatch: {message}", file=sys.stderr, flush=True)
 
 
-def _selection_or_bad_input(ids=None, source="DSPATCH"):
+def selection_or_bad_input(ids=None, source="DSPATCH"):
     """The selection, or BadInput for a malformed DSPATCH/DSPATCH_DISABLE (or ids): one rule, every command."""
     try:
         return registry.selection(ids, source=source)
@@ -32,11 +32,11 @@ def _ids(args):
     return ids or None
 
 
-def _rows(args):
+def asked_rows(args):
     """(rows of the patches asked about, whether ids were given). Raises BadInput."""
     from dspatch import status
 
-    _selection_or_bad_input()  # DSPATCH is read even where ids are given: a bad one is said, everywhere alike
+    selection_or_bad_input()  # DSPATCH is read even where ids are given: a bad one is said, everywhere alike
     ids = _ids(args)
     if ids is None:
         return status.check_all(None), False

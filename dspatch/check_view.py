@@ -7,7 +7,7 @@ import sys
 import dspatch
 from dspatch import gating, registry, term
 
-from dspatch.asked import _rows
+from dspatch.asked import asked_rows
 
 PROBLEMS = (gating.DRIFTED, gating.FAILED, gating.BROKEN)
 PACKAGES = ("deepspeed", "accelerate", "transformers", "trl")
@@ -148,16 +148,16 @@ def check_json(rows, verified=None, extra=None):
 
 
 def check(args):
-    rows, asked = _rows(args)
+    rows, asked = asked_rows(args)
     status = 1 if args.strict and any(r.verdict in PROBLEMS for r in rows) else 0
     if args.json:
         print(check_json(rows))
         return status
-    _print_lines(check_text(rows, asked, args.verbose, term.width(), term.colours()))
+    print_lines(check_text(rows, asked, args.verbose, term.width(), term.colours()))
     return status
 
 
-def _print_lines(lines):
+def print_lines(lines):
     sys.stdout.write("\n".join(lines) + "\n")
 
 

@@ -21,8 +21,8 @@ import sys
 import dspatch
 from dspatch import gating, registry, term
 
-from dspatch.asked import BadInput, _rows, _selection_or_bad_input, say
-from dspatch.check_view import PROBLEMS, _print_lines, check, check_json, check_text
+from dspatch.asked import BadInput, asked_rows, selection_or_bad_input, say
+from dspatch.check_view import PROBLEMS, print_lines, check, check_json, check_text
 
 __all__ = ["BadInput", "NOTHING_RAN", "PROBLEMS", "check", "check_json", "check_text", "main", "run", "say",
            "verify"]
@@ -83,7 +83,7 @@ def _verify(patch, accelerator="cpu", progress=None, label=""):
 
 
 def verify(args):
-    rows, asked = _rows(args)
+    rows, asked = asked_rows(args)
     todo = [r for r in rows if r.verdict in (gating.APPLIES, gating.APPLIED)]
     if not todo:
         installed = [r for r in rows if r.found.verdict != gating.NOT_INSTALLED]
@@ -122,7 +122,7 @@ def verify(args):
     good = sum(v["ok"] for v in verified.values())
     lines.append(f"{good} of {len(todo)} verified: the bug shows on stock and the patch fixes it" if good == len(todo)
                  else f"{len(todo) - good} of {len(todo)} did not behave as declared: please report it with this output")
-    _print_lines(lines)
+    print_lines(lines)
     return status
 
 
@@ -178,7 +178,7 @@ def run_script(args):
     try:  # a bad selection is refused before the script runs (it would run unpatched)
         if args.only is not None:
             registry.selection(args.only, source=f"--only {registry.short(','.join(args.only))}")
-        _selection_or_bad_input()
+        selection_or_bad_input()
     except (registry.SelectionError, BadInput) as e:
         raise BadInput(f"{e}; {what} not run") from None
     if not args.module and not os.path.exists(args.script):

@@ -233,7 +233,7 @@ def test_the_upgrade_minds_what_each_release_requires_of_the_others():
         to = audit.audit(pins)["upgrade"]["to"]
         final = {**pins, **{n: audit.Pin(n, versions=[new]) for n, (_, new) in to.items()}}
         for name, pin in final.items():
-            assert not audit._conflicts(final, name, pin.releases()[0]), (pins_text, name, to)
+            assert not audit.pin_conflicts(final, name, pin.releases()[0]), (pins_text, name, to)
 
 
 @pytest.mark.unit_only

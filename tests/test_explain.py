@@ -284,7 +284,7 @@ def test_no_log_on_a_terminal_prints_the_usage(monkeypatch, capsys):
 def test_each_signature_is_found_by_its_fixed_words():
     """Every message pattern has fixed words the skim searches for (else a long log would be read line by line),
     and every log-wide pattern has fixed text."""
-    plan = patterns._plan(list(registry.all_patches().values()))
+    plan = patterns.signature_plan(list(registry.all_patches().values()))
     assert plan is not None
     triggers, anywhere = plan
     assert all(len(word) >= 4 for word in triggers)

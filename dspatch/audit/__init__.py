@@ -26,10 +26,10 @@ from dspatch.known import KNOWN
 from dspatch.versions import Version
 
 from dspatch.audit.pins import Pin, Unreadable, canonical, read_pins
-from dspatch.audit.upgrades import _conflicts, requirements, upgrade
-from dspatch.audit.verdicts import NOT_PINNED, PRESENT, _judge, _others, _span, decide, has_bug
+from dspatch.audit.upgrades import pin_conflicts, requirements, upgrade
+from dspatch.audit.verdicts import NOT_PINNED, PRESENT, judge_pin, other_releases, release_span, decide, has_bug
 
-__all__ = ["DESCRIPTION", "EPILOG", "NOT_PINNED", "PRESENT", "Pin", "Unreadable", "_conflicts", "arguments", "audit",
+__all__ = ["DESCRIPTION", "EPILOG", "NOT_PINNED", "PRESENT", "Pin", "Unreadable", "pin_conflicts", "arguments", "audit",
            "canonical", "command", "decide", "exit_status", "has_bug", "main", "read_pins", "requirements", "upgrade"]
 
 
@@ -49,7 +49,7 @@ def audit(pins):
                                                   f"{pin.text}")
         else:
             verdicts = {v: decide(patch, v, pins) for v in releases}
-            row["verdict"], row["reason"] = _judge(verdicts, pin)
+            row["verdict"], row["reason"] = judge_pin(verdicts, pin)
             if len(releases) > 1:
                 row["releases"] = {v: verdict for v, (verdict, _) in verdicts.items()}
         rows.append(row)
@@ -59,7 +59,7 @@ def audit(pins):
         releases = pin.releases() if pin else []
         having = [v for v in releases if has_bug(known, v, pins)]  # (Known.has, with the pins' ranges)
         if having:
-            notes = _others(known, pins)[1]
+            notes = other_releases(known, pins)[1]
             unpatched.append({"id": known.id, "distribution": known.distribution, "pin": pin.text,
                               "releases": having if len(releases) > 1 else None, "verdict": PRESENT,
                               "effect": known.effect, "affected": known.affected, "fixed_in": known.fixed_in,
@@ -93,7 +93,7 @@ def _lines(report, pins, sources, verbose):
     out += ["", f"Known bugs these pins have that dspatch does not patch ({len(report['unpatched'])}):"]
     for k in report["unpatched"]:
         fix = f"fixed in {k['distribution']} {k['fixed_in']}" if k["fixed_in"] else "open upstream"
-        which = f" ({_span(k['releases'])} of the pin)" if k["releases"] else ""
+        which = f" ({release_span(k['releases'])} of the pin)" if k["releases"] else ""
         out += [f"  {k['id']}{which}: {k['effect']}; {fix}; meanwhile: {k['advice']}"]
     if not report["unpatched"]:
         out += ["  none"]

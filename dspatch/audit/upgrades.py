@@ -8,7 +8,7 @@ from dspatch.requires import REQUIRES
 from dspatch.versions import Version
 
 from dspatch.audit.pins import Pin, canonical
-from dspatch.audit.verdicts import _contains, has_bug
+from dspatch.audit.verdicts import spec_contains, has_bug
 
 
 def requirements(name, version):
@@ -17,19 +17,19 @@ def requirements(name, version):
     return REQUIRES.get(name, {}).get(Version(version).base_version, {})
 
 
-def _conflicts(state, name, version):
+def pin_conflicts(state, name, version):
     """Why release `version` of `name` cannot sit with the other exact pins of `state`: ("requires", other, spec)
     for each of its requirements an exact pin misses, ("required", other, spec) for each exact pin that requires of
     `name` what `version` is not."""
     found = []
     for other, spec in requirements(name, version).items():
         pin = state.get(other)
-        if pin is not None and len(pin.releases()) == 1 and not _contains(spec, pin.releases()[0]):
+        if pin is not None and len(pin.releases()) == 1 and not spec_contains(spec, pin.releases()[0]):
             found.append(("requires", other, spec))
     for other, pin in state.items():
         if other != name and len(pin.releases()) == 1:
             spec = requirements(other, pin.releases()[0]).get(name)
-            if spec and not _contains(spec, version):
+            if spec and not spec_contains(spec, version):
                 found.append(("required", other, spec))
     return found
 
@@ -62,11 +62,11 @@ def upgrade(pins):
         (another pin rules it out, or no release of a package it needs meets the requirement and sits with the
         rest); the reasons, {package taken along: why}."""
         trial, why = {**state, name: Pin(name, versions=[version])}, {}
-        for kind, other, spec in _conflicts(trial, name, version):
+        for kind, other, spec in pin_conflicts(trial, name, version):
             if kind == "required":
                 return None, {}
-            fit = next((v for v in newer(trial, other) if _contains(spec, v)
-                        and not _conflicts({**trial, other: Pin(other, versions=[v])}, other, v)), None)
+            fit = next((v for v in newer(trial, other) if spec_contains(spec, v)
+                        and not pin_conflicts({**trial, other: Pin(other, versions=[v])}, other, v)), None)
             if fit is None:
                 return None, {}
             trial[other], why[other] = Pin(other, versions=[fit]), (fit, f"{name} {version} requires {other}{spec}")

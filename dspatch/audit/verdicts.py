@@ -35,7 +35,7 @@ def _names(text, version):
     return False
 
 
-def _others(item, pins):
+def other_releases(item, pins):
     """({distribution: a release for gating, of those the pins admit: one the bug needs where there is one}, notes,
     whether the pins rule the bug out) for the packages the bug also needs."""
     others, notes, ruled_out = {}, [], False
@@ -46,15 +46,15 @@ def _others(item, pins):
             notes.append(f"if {other}{wanted} ({other} is not pinned)")
             continue
         releases = pin.releases()
-        having = [r for r in releases if _contains(wanted, r)]
+        having = [r for r in releases if spec_contains(wanted, r)]
         if having and len(having) < len(releases):
-            notes.append(f"with {other} {_span(having)} of those {other}{pin.text} admits")
+            notes.append(f"with {other} {release_span(having)} of those {other}{pin.text} admits")
         ruled_out = ruled_out or bool(releases and not having)
         others[other] = having[0] if having else releases[0] if releases else "unpinned"
     return others, notes, ruled_out
 
 
-def _contains(spec, version):
+def spec_contains(spec, version):
     try:
         return SpecifierSet(spec).contains(Version(version).base_version)
     except InvalidVersion:
@@ -63,7 +63,7 @@ def _contains(spec, version):
 
 def decide(patch, version, pins):
     """(verdict, reason) of a patch for one release of its package, with the other pins."""
-    others, notes, _ = _others(patch, pins)
+    others, notes, _ = other_releases(patch, pins)
     try:
         found = gating.evaluate(patch, version, locate=_no_source, others=others)
     except _NoSource:  # only the source can tell: what the release suite read of this release decides
@@ -89,14 +89,14 @@ def has_bug(item, version, pins):
             return False
     except InvalidVersion:  # no release number: taken as having it
         return True
-    return not _others(item, pins)[2]
+    return not other_releases(item, pins)[2]
 
 
-def _span(versions):
+def release_span(versions):
     return versions[0] if len(versions) == 1 else f"{versions[0]}-{versions[-1]}"
 
 
-def _judge(verdicts, pin):
+def judge_pin(verdicts, pin):
     """One verdict for a pin from those of the releases it admits: theirs when they agree; else "applies" (or
     "present"), saying which releases have the bug."""
     kinds = {}
@@ -106,9 +106,9 @@ def _judge(verdicts, pin):
         verdict, releases = next(iter(kinds.items()))
         if len(releases) == 1:
             return verdict, verdicts[releases[0]][1]
-        return verdict, (f"every release {pin.name}{pin.text} admits ({_span(releases)}): {verdict}; "
+        return verdict, (f"every release {pin.name}{pin.text} admits ({release_span(releases)}): {verdict}; "
                          f"{releases[-1]}: {verdicts[releases[-1]][1]}")
     buggy = next((v for v in (gating.UNSUPPORTED, PRESENT, gating.APPLIES) if v in kinds), None)  # worst first
-    parts = "; ".join(f"{_span(r)}: {v}" for v, r in kinds.items())
+    parts = "; ".join(f"{release_span(r)}: {v}" for v, r in kinds.items())
     return buggy or next(iter(kinds)), f"of the releases {pin.name}{pin.text} admits, {parts}"
 

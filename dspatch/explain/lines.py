@@ -3,7 +3,7 @@ a debugger's two-line exceptions and wrapped messages joined, the window around 
 import re
 
 # ESC [ ... final byte, and other two-character escapes
-_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
+ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
 # launcher prefixes: torchrun --tee/--role ([default0]:), torch's elastic logs ([rank1]:), deepspeed's launcher
 # ("0: ", "rank0: "), slurm --label ("0: "); applied repeatedly ("[rank1]:[rank1]: " happens)
 _PREFIX = re.compile(r"^\s*(?:\[(?:rank|default|worker)?\d+\]:|(?:rank)?\d{1,4}:(?=\s))\s?")
@@ -24,13 +24,13 @@ _VERSION = re.compile(r"(?i)(?:^|[^\w/.-])(deepspeed|transformers|accelerate|trl
                       r"v?(\d+\.\d+\.\d+(?:[.+-]?(?:dev|rc|post|a|b)\d*)?)(?![\d.]*\w)")
 _DEEPSPEED_BANNER = re.compile(r"DeepSpeed info: version=(\d+\.\d+\.\d+[\w.+]*)")
 # how far around a message its evidence may be, when no `Traceback` line bounds it
-_BEFORE, _AFTER = 80, 40
-_JOINED = 2  # continuation lines a wrapped message may take
+LINES_BEFORE, LINES_AFTER = 80, 40
+JOINED = 2  # continuation lines a wrapped message may take
 
 
-def _clean(line):
+def clean_line(line):
     """One line as a reader sees it: no colour codes, no progress redraws, no rank prefixes."""
-    line = _ANSI.sub("", line)
+    line = ANSI.sub("", line)
     if "\r" in line:  # a progress bar redrawn in place: what remains on screen is the last segment
         line = ([part for part in line.split("\r") if part.strip()][-1:] or [""])[0]
     for _ in range(3):
@@ -42,18 +42,18 @@ def _clean(line):
 
 
 def clean_lines(text):
-    """The log's lines as a reader sees them (see _clean); a debugger's `Exception has occurred: X` line reads
+    """The log's lines as a reader sees them (see clean_line); a debugger's `Exception has occurred: X` line reads
     `X: <the message on the next line>`."""
     # "\n" only: str.splitlines() would also split at the "\r" of a progress redraw
     raw = text.split("\n")
     if raw and raw[-1] == "":
         raw.pop()
-    lines = [_clean(line) for line in raw]
-    _join_debugger_lines(lines, range(len(lines) - 1))
+    lines = [clean_line(line) for line in raw]
+    join_debugger_lines(lines, range(len(lines) - 1))
     return lines
 
 
-def _join_debugger_lines(lines, numbers):
+def join_debugger_lines(lines, numbers):
     for number in numbers:
         debugger = _DEBUGGER.match(lines[number])
         if debugger:
@@ -81,7 +81,7 @@ class Sparse:
         self.kept[index] = value
 
 
-def _present(lines, where=None):
+def present_lines(lines, where=None):
     """The numbers of `where` (default: every line) that can hold text: all of them, or those a Sparse kept."""
     where = range(len(lines)) if where is None else where
     if not isinstance(lines, Sparse):
@@ -99,7 +99,7 @@ def _variants(lines, number):
     yield text
     if _FRAME.match(text):
         return
-    for following in lines[number + 1:number + 1 + _JOINED]:
+    for following in lines[number + 1:number + 1 + JOINED]:
         part = following.strip()
         if not part or _FRAME.match(following) or _TRACEBACK in following:
             return
@@ -116,7 +116,7 @@ def _error_fits(before, error):
     return bool(found) and found.group(1) in error.split("|")
 
 
-def _message_at(lines, number, signature):
+def message_at(lines, number, signature):
     """The text at `number` in which the signature's message (of its exception) is, or None."""
     pattern = re.compile(signature.message)
     for text in _variants(lines, number):
@@ -127,15 +127,15 @@ def _message_at(lines, number, signature):
     return None
 
 
-def _window(lines, number):
+def traceback_window(lines, number):
     """Line numbers (0-based, a range) of the traceback around the message at `number`: from its `Traceback`
-    line (or _BEFORE lines up) to the next traceback (or _AFTER lines down)."""
-    start = max(0, number - _BEFORE)
-    for back in range(number, max(-1, number - 4 * _BEFORE), -1):
+    line (or LINES_BEFORE lines up) to the next traceback (or LINES_AFTER lines down)."""
+    start = max(0, number - LINES_BEFORE)
+    for back in range(number, max(-1, number - 4 * LINES_BEFORE), -1):
         if _TRACEBACK in lines[back]:
             start = back
             break
-    end = min(len(lines), number + _AFTER + 1)
+    end = min(len(lines), number + LINES_AFTER + 1)
     for ahead in range(number + 1, end):
         if _TRACEBACK in lines[ahead]:
             end = ahead
@@ -143,15 +143,15 @@ def _window(lines, number):
     return range(start, end)
 
 
-def _first(lines, where, pattern):
+def first_match(lines, where, pattern):
     found = pattern if callable(pattern) else re.compile(pattern).search
-    return next((n for n in _present(lines, where) if found(lines[n])), None)
+    return next((n for n in present_lines(lines, where) if found(lines[n])), None)
 
 
 def log_versions(lines):
     """{distribution: version} printed in the log, for those it prints one version of."""
     seen = {}
-    for number in _present(lines):
+    for number in present_lines(lines):
         line = lines[number]
         for name, version in _VERSION.findall(line):
             seen.setdefault(name.lower(), {}).setdefault(version, number)

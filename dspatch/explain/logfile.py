@@ -4,23 +4,23 @@ import re
 import shutil
 import sys
 
-from dspatch.explain.lines import _AFTER, _ANSI, _BEFORE, _JOINED, Sparse, _clean, _join_debugger_lines, clean_lines
-from dspatch.explain.patterns import _plan
+from dspatch.explain.lines import LINES_AFTER, ANSI, LINES_BEFORE, JOINED, Sparse, clean_line, join_debugger_lines, clean_lines
+from dspatch.explain.patterns import signature_plan
 
 _CHUNK = 16 << 20  # bytes read at a time: memory stays a few chunks whatever the log's size
 
 
 def _message_lines(chunk, first, word, uses):
     """Line numbers of the chunk where a message of `uses` may start: a line that holds `word`, or one of the
-    _JOINED lines above it, when those lines also hold two words of one of its fixed texts (all, if it has one)."""
+    JOINED lines above it, when those lines also hold two words of one of its fixed texts (all, if it has one)."""
     found = set()
     at = chunk.find(word)
     while at >= 0:
         start = chunk.rfind(b"\n", 0, at) + 1
-        for _ in range(_JOINED):
+        for _ in range(JOINED):
             start = chunk.rfind(b"\n", 0, max(start - 1, 0)) + 1 if start else 0
         end = at
-        for _ in range(_JOINED + 1):
+        for _ in range(JOINED + 1):
             end = chunk.find(b"\n", end + 1)
             if end < 0:
                 end = len(chunk)
@@ -30,7 +30,7 @@ def _message_lines(chunk, first, word, uses):
                for _, _, alternatives in uses for words in alternatives):
             found.add(start)
         at = chunk.find(word, chunk.find(b"\n", at) + 1 or len(chunk))
-    return {n + k for n in _numbered(chunk, first, found) for k in range(_JOINED + 1)}
+    return {n + k for n in _numbered(chunk, first, found) for k in range(JOINED + 1)}
 
 
 def _spans(f, size):
@@ -138,7 +138,7 @@ class _Grep:
         self.proc = None
 
 
-_ANSI_BYTES = re.compile(_ANSI.pattern.encode())  # the same codes, in the raw bytes
+_ANSI_BYTES = re.compile(ANSI.pattern.encode())  # the same codes, in the raw bytes
 
 
 def _strip_ansi(data):
@@ -186,7 +186,7 @@ def _read_lines(chunk, first, starts, runs, into):
     number + 1) of consecutive lines, found from their numbers."""
     def read(number, start):
         end = chunk.find(b"\n", start)
-        into[number] = _clean((chunk[start:] if end < 0 else chunk[start:end]).decode("utf-8", errors="replace"))
+        into[number] = clean_line((chunk[start:] if end < 0 else chunk[start:end]).decode("utf-8", errors="replace"))
         return len(chunk) if end < 0 else end + 1
 
     for number, start in starts.items():
@@ -217,7 +217,7 @@ def skim(f, patches):
     one for the messages' words and every fixed text of the log-wide patterns, one for the packages' names (any
     case); Python then searches only the chunks where they found something (all of them where there is no grep),
     for what they found there."""
-    plan = _plan(patches)
+    plan = signature_plan(patches)
     if plan is None:  # a pattern with no fixed text: every line is read
         f.seek(0)
         return clean_lines(f.read().decode("utf-8", errors="replace"))
@@ -251,10 +251,10 @@ def _skimmed(f, triggers, anywhere, fixed, named, size):
                 found.add(word.decode())
     if not hits:
         return Sparse(count, {})
-    # a message's traceback reaches 4 * _BEFORE lines up, its wrapped lines _JOINED down
+    # a message's traceback reaches 4 * LINES_BEFORE lines up, its wrapped lines JOINED down
     around = set()
     for n in hits:
-        around.update(range(max(0, n - 4 * _BEFORE - _JOINED), min(count, n + _AFTER + _JOINED + 1)))
+        around.update(range(max(0, n - 4 * LINES_BEFORE - JOINED), min(count, n + LINES_AFTER + JOINED + 1)))
     around = sorted(around)
     candidates = [use for word in found for use in triggers[word]]
     texts = {t.encode() for _, signature, _ in candidates for t in anywhere[signature]}
@@ -271,7 +271,7 @@ def _skimmed(f, triggers, anywhere, fixed, named, size):
                 starts.update(_lines_holding(chunk, first, with_names, search=chunk.lower()))
             _read_lines(chunk, first, starts, runs, kept)
     lines = Sparse(count, kept)
-    _join_debugger_lines(lines, [n for n in lines.numbers if n + 1 < count])
+    join_debugger_lines(lines, [n for n in lines.numbers if n + 1 < count])
     return lines
 
 

@@ -1,9 +1,9 @@
 """Matching: which known bugs a log's lines show, decided by frames, hints and versions, and what to do about each."""
 import os
 
-from dspatch.explain.lines import (_JOINED, _first, _message_at, _present, _window, clean_lines,
+from dspatch.explain.lines import (JOINED, first_match, message_at, present_lines, traceback_window, clean_lines,
                                      log_versions)
-from dspatch.explain.patterns import _trigger
+from dspatch.explain.patterns import trigger_words
 
 
 def _hits(lines, patches):
@@ -15,28 +15,28 @@ def _hits(lines, patches):
     holding = {}  # trigger word -> numbers of the lines that hold it
     for patch in patches:
         for signature in patch.signatures:
-            trigger = _trigger(signature.message)
-            if trigger:  # only where the message's word is, on its line or up to _JOINED lines below
+            trigger = trigger_words(signature.message)
+            if trigger:  # only where the message's word is, on its line or up to JOINED lines below
                 for word in trigger[0]:
                     if word not in holding:
-                        holding[word] = [n for n in _present(lines) if word in lines[n]]
+                        holding[word] = [n for n in present_lines(lines) if word in lines[n]]
                 starts = sorted({max(0, n - k) for word in trigger[0] for n in holding[word]
-                                 for k in range(_JOINED + 1)})
+                                 for k in range(JOINED + 1)})
             else:
-                starts = _present(lines)
+                starts = present_lines(lines)
             for number in starts:
-                text = _message_at(lines, number, signature)
+                text = message_at(lines, number, signature)
                 if text is None:
                     continue
-                where = _window(lines, number)
-                needed = [_first(lines, where, p) for p in signature.needs]
-                if None in needed or any(_first(lines, everywhere, p) is None for p in signature.context):
+                where = traceback_window(lines, number)
+                needed = [first_match(lines, where, p) for p in signature.needs]
+                if None in needed or any(first_match(lines, everywhere, p) is None for p in signature.context):
                     continue
-                if any(_first(lines, everywhere, p) is not None for p in signature.unless):
+                if any(first_match(lines, everywhere, p) is not None for p in signature.unless):
                     continue
-                hint = next((n for n in (_first(lines, everywhere, p) for p in signature.hints) if n is not None),
+                hint = next((n for n in (first_match(lines, everywhere, p) for p in signature.hints) if n is not None),
                             None)
-                found = needed + [_first(lines, everywhere, p) for p in signature.context]
+                found = needed + [first_match(lines, everywhere, p) for p in signature.context]
                 hits.setdefault(number, []).append(
                     {"patch": patch, "signature": signature, "text": text, "evidence": found, "hint": hint})
                 break  # this signature's first full match; later repeats (other ranks) add nothing

@@ -50,8 +50,8 @@ def _required(pattern):
     return frozenset(found) if found else None
 
 
-def _trigger(pattern):
-    """(the word a line must hold for the message to start there or up to _JOINED lines above, the words of each of
+def trigger_words(pattern):
+    """(the word a line must hold for the message to start there or up to JOINED lines above, the words of each of
     the message's fixed texts) or None. The word is the longest of the fixed texts' words (a wrap that cuts it
     hides the message); two of a fixed text's words must then be in those lines (a wrap cuts at most those two)."""
     found = _required(pattern)
@@ -61,13 +61,13 @@ def _trigger(pattern):
     return sorted({max(each, key=len) for each in words}), words
 
 
-def _plan(patches):
+def signature_plan(patches):
     """(message triggers {word: [(patch, signature, the words of its fixed texts)]}, the fixed texts its log-wide
     patterns need per signature) or None when a pattern has no fixed text (then every line is read)."""
     triggers, anywhere = {}, {}
     for patch in patches:
         for signature in patch.signatures:
-            trigger = _trigger(signature.message)
+            trigger = trigger_words(signature.message)
             if not trigger:
                 return None
             for word in trigger[0]:
