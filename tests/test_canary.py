@@ -30,7 +30,8 @@ def canary(tmp_path, config, *args, env=None):
     ({"scheduler": {"type": "Cyclic"}}, [], "the scheduler 'Cyclic' is not modelled"),
     (Z2, ["--loop", "trainer", "--ranks", "2"], "--ranks 2 is modelled for the engine loop"),
     (Z2, ["--loop", "trainer", "--group-lrs", "0.1,0.01"], "--group-lrs with the Trainer is not modelled"),
-    (Z2, ["--group-lrs", "0.1"], "give two rates")])
+    (Z2, ["--group-lrs", "0.1"], "give two rates"),
+    (Z2, ["--boundary-call"], "give --backwards 2 or more")])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, why, monkeypatch):
     """Read before anything heavy: the unit session has no torch, so the check that torch is there comes first; the
     plan is judged here in-process."""
@@ -97,6 +98,8 @@ CASES = {
                                                      "not_divided"),
     "deepspeed/unfused-optimizer-init-step": (["--bf16"], {"zero_optimization": {"stage": 0}}, "adam_step_early"),
     "deepspeed/zero12-backward-twice": (["--backwards", "2"], Z2, "last_only"),
+    "deepspeed/zero12-offload-backward-twice": (["--backwards", "2"], {"zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}}}, "last_only"),
 }
 ALSO_OUT = {"deepspeed/backward-scale-wrt-gas": ["deepspeed/output-hooks-gas-per-tensor"]}
 

@@ -43,6 +43,9 @@ def arguments(parser):
                         "(default), sequence or token classification")
     parser.add_argument("--backwards", type=int, default=1, metavar="K",
                         help="engine loop: K engine.backward() calls before each engine.step() (default 1)")
+    parser.add_argument("--boundary-call", action="store_true",
+                        help="with --backwards: engine.set_gradient_accumulation_boundary(False) before all but the "
+                        "last backward of a step (True before the last), DeepSpeed's documented way")
     parser.add_argument("--stock", action="store_true", help="also run without dspatch, and report both")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -65,11 +68,13 @@ def _options(args):
         raise Unmodelled(f"--ranks 2 is modelled for the engine loop, not the {args.loop} loop")
     if args.backwards > 1 and args.loop != "engine":
         raise Unmodelled("--backwards is a raw engine loop's shape (several engine.backward() before a step)")
+    if args.boundary_call and args.backwards < 2:
+        raise Unmodelled("--boundary-call marks the backwards of a step: give --backwards 2 or more")
     return default_options(loop=args.loop, ranks=args.ranks, steps=args.steps, group_lrs=rates,
                            micro_batch=args.micro_batch, accumulation=args.ga or 1, lr=args.lr,
                            max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps, scheduler=args.scheduler,
                            precision="bf16" if args.bf16 else "fp32", model=args.model, head=args.head,
-                           backwards=args.backwards)
+                           backwards=args.backwards, boundary_call=args.boundary_call)
 
 
 def deepspeed_side(plans, env):
@@ -125,6 +130,28 @@ def judge(the_plan, got):
     return found
 
 
+def in_process(config, **options):
+    """One comparison in this interpreter, as a reproducer runs it: (the runner's record, the first divergence or
+    None; for a run that failed, the failure)."""
+    from dspatch.canary import runner
+
+    the_plan = build_plan(config, default_options(**options))
+    record = runner.run(the_plan)
+    return record, judge(the_plan, {"steps": record.steps, "losses": record.losses, "error": record.error,
+                                    "applied": []})
+
+
+def expect_shape(found, code, what):
+    """A reproducer's reading of one comparison: BugSeen(what: step, words) where the first divergence has the bug's
+    shape `code`, AssertionError for any other, None where the run trains as the reference."""
+    from dspatch.spec import BugSeen
+
+    if found and found["code"] == code:
+        raise BugSeen(f"{what}: step {found['step']}: {found['words']}")
+    if found:
+        raise AssertionError(f"{what}: step {found['step']} ({found['what']}): {found['words']}")
+
+
 def known_for(found, got):
     """The patches whose bug shows in this shape ({id, verdict here, applied in the run}); for a crash, those explain
     names in its error."""
@@ -155,7 +182,8 @@ def describe(the_plan):
     if len(the_plan["lrs"]) > 1:
         bits.append(f"param groups at {', '.join(str(r) for r in the_plan['lrs'])}")
     if the_plan["backwards"] > 1:
-        bits.append(f"{the_plan['backwards']} backwards a step")
+        bits.append(f"{the_plan['backwards']} backwards a step"
+                    + (" (set_gradient_accumulation_boundary before each)" if the_plan.get("boundary_call") else ""))
     return ", ".join(bits)
 
 

@@ -90,7 +90,9 @@ def _engine_loop(plan, model, batches, record):
     per_step = plan["backwards"]
     for _ in range(plan["epochs"]):
         for start in range(0, len(batches), per_step):
-            for batch in batches[start:start + per_step]:
+            for k, batch in enumerate(batches[start:start + per_step]):
+                if plan.get("boundary_call"):  # the step's last backward is its boundary, the others not
+                    engine.set_gradient_accumulation_boundary(k == per_step - 1)
                 loss = engine(**_on(batch)).loss
                 engine.backward(loss)
                 record.loss(loss)

@@ -17,10 +17,9 @@ tensor that is still the parameter's own (`grad_accum` kept across backwards wit
 holds the earlier gradients, and zeros stand in for it. With one backward per step, or accumulation driven by the
 engine, no second boundary comes before a step: the stock code runs, bit for bit.
 
-Not covered: with the optimizer offloaded to the CPU the same loop keeps only the last backward on every release
-0.14.4-0.19.8 (0.19.x adds the previous step's last gradient); that path stays as it is. It is not in dspatch/known.py
-either, which names bugs by release: every release would have it, and every audit would fail for a loop few run.
-`set_gradient_accumulation_boundary(False)` before all but the last backward sums there at ZeRO-1 (ZeRO-2: 0.19.0+).
+With the optimizer offloaded to the CPU the same loop keeps only the last backward on every release 0.14.4-0.19.8,
+through other code (the boundary's copy to the fp32 partition): deepspeed/zero12-offload-backward-twice fixes that
+path, and this wrapper leaves an offloaded optimizer to it.
 
 Proof: `dspatch canary`'s check with two `engine.backward()` calls per step at ZeRO-1 and ZeRO-2: stock's gradient is
 the last micro-batch's (0.18.3+) or the second backward raises (0.17.6-0.18.2); patched it is the sum, as plain torch's,
@@ -49,7 +48,7 @@ class _Dropping(dict):
         dict.__setitem__(self, key, value)
 
 
-def _boundary(optimizer):
+def boundary_now(optimizer):
     flag = optimizer.is_gradient_accumulation_boundary  # an attribute until 0.19.4, a method from 0.19.5
     return bool(flag() if callable(flag) else flag)
 
@@ -63,7 +62,7 @@ def summing(kept):
     """The epilogue's wrapper; `kept` {optimizer: {group: [gradients]}}, weakly keyed: a boundary's gradients that no
     step consumed yet."""
     def epilogue(wrapped, optimizer, args, kwargs):
-        if optimizer.cpu_offload or not (_boundary(optimizer) or optimizer in kept):
+        if optimizer.cpu_offload or not (boundary_now(optimizer) or optimizer in kept):
             return wrapped(*args, **kwargs)  # no boundary, nothing kept: the stock path, untouched
         import torch
 
@@ -124,7 +123,7 @@ PATCH = Patch(
            "deepspeed/0026-zero12-backward-twice-0.18.5-0.19.4.patch",
            "deepspeed/0026-zero12-backward-twice-0.19.5-0.19.7.patch",
            "deepspeed/0026-zero12-backward-twice-0.19.8.patch"),
-    note=("wraps DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue; with offload_optimizer the same loop "
-          "stays stock's (the last backward only; see its page)"),
+    note=("wraps DeepSpeedZeroOptimizer.independent_gradient_partition_epilogue; with offload_optimizer "
+          "deepspeed/zero12-offload-backward-twice"),
     signatures=(Signature(r"'NoneType' object is not iterable", error="TypeError", needs=(in_the_epilogue,)),),
 )
