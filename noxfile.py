@@ -1,7 +1,7 @@
 """Test matrix over real upstream stacks (deepspeed + transformers + accelerate + trl, torch 2.13 CPU), plus a torch-free unit session.
 
     nox                 lint + unit + old + bridge + mid + latest + trl_tf5 + tf444_ds16 + ds0183 + ds0182 + ds0192 +
-                        ds0198 (what CI runs)
+                        ds0198 + ds0176 (what CI runs)
     nox -s demo         build the old stack, a tiny ZeRO-3 job stock vs DSPATCH=1, and `dspatch check`
     nox -s bench        start-up, --check and training-step benchmarks (ratios against a same-run baseline)
 """
@@ -15,7 +15,7 @@ import time
 import nox
 
 nox.options.sessions = ["lint", "unit", "old", "bridge", "mid", "latest", "trl_tf5", "tf444_ds16", "ds0183", "ds0182",
-                        "ds0192", "ds0198"]
+                        "ds0192", "ds0198", "ds0176"]
 nox.options.error_on_missing_interpreters = True
 
 # torch first, alone: 2.13.0 is a CPU wheel from the machine's local store; installed first, no stack
@@ -51,7 +51,10 @@ SMALL = {"ds0183": ["deepspeed==0.18.3", "transformers==4.57.6", "accelerate==1.
          # the latest stack's other pins
          "ds0192": ["deepspeed==0.19.2", "transformers==5.23.0", "accelerate==1.15.0", "peft==0.21.2"],
          # ds0198: the newest deepspeed on the mid stack's other pins, as a user who upgrades DeepSpeed alone has it
-         "ds0198": ["deepspeed==0.19.8", "transformers==4.57.6", "accelerate==1.10.1"]}
+         "ds0198": ["deepspeed==0.19.8", "transformers==4.57.6", "accelerate==1.10.1"],
+         # ds0176: the first release where bf16 at stage 0 runs the fp16 optimizer wrapper (PR 7515), on the mid
+         # stack's other pins: loading its checkpoint fails
+         "ds0176": ["deepspeed==0.17.6", "transformers==4.57.6", "accelerate==1.10.1"]}
 
 # The stacks' environments live outside the clone (a clean clone, as CI makes, would otherwise rebuild six of them
 # every run), in a folder named by a hash of everything installed into them: a changed pin is a new folder, never
@@ -209,6 +212,8 @@ ds0192 = proving_session("ds0192", SMALL["ds0192"],
 ds0198 = proving_session("ds0198", SMALL["ds0198"],
                          "deepspeed >= 0.19.3 refusing the warmup of 0 that transformers < 5.18 and accelerate < 1.15 "
                          "fill (transformers/deepspeed-warmup-zero, accelerate/deepspeed-warmup-zero)")
+ds0176 = proving_session("ds0176", SMALL["ds0176"],
+                         "bf16 at stage 0 on 0.17.6: load_checkpoint fails on the ZeRO path (zero0-bf16-checkpoint)")
 
 
 @nox.session(python="3.11")

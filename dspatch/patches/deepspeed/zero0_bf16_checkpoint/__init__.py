@@ -7,13 +7,13 @@ self.bfloat16_enabled()`: for bf16 they leave it out of the model file, as if a 
 wrapper has no `dp_process_group`, so no ZeRO file is written either. On 0.18.0-0.18.4 `load_checkpoint` then silently
 keeps the new engine's own state: Adam's step count and moments start anew and the resumed run drifts from the
 uninterrupted one (measured on 0.18.2 and 0.18.3: Adam's `step` reads 1 after the load, the saved engine's 4; the
-weights a few per cent off after one more step). On 0.17.6 `load_checkpoint` takes the ZeRO path and fails with
-`AttributeError: 'FP16_UnfusedOptimizer' object has no attribute 'dp_process_group'`: no stack here installs 0.17.6, so
-the patch is written and tested for 0.18.0-0.18.4 and leaves 0.17.6 alone (`dspatch check` says so). Fixed upstream
-in 0.18.5 (PR 7786), which drops `or self.bfloat16_enabled()` from both tests.
+weights a few per cent off after one more step). On 0.17.6 `load_checkpoint` itself goes for the ZeRO files first,
+with the same test, and fails with `AttributeError: 'FP16_UnfusedOptimizer' object has no attribute
+'dp_process_group'` (0.18.0 asks only `zero_optimization()` there). Fixed upstream in 0.18.5 (PR 7786), which drops `or self.bfloat16_enabled()` from the
+tests.
 
-The fix rebuilds both functions from the installed source with that one test replaced by `state_elsewhere(self)` from
-this module: the optimizer's state is kept out of the model file only at ZeRO stages >= 1, or in bf16 by an optimizer
+The fix rebuilds both functions (on 0.17.6 `load_checkpoint` too) from the installed source with that one test
+replaced by `state_elsewhere(self)` from this module: the optimizer's state is kept out of the model file only at ZeRO stages >= 1, or in bf16 by an optimizer
 other than the fp16 wrapper (a `BF16_Optimizer`, which a bf16 engine built without an optimizer gets; its state stays
 where stock puts it). So a bf16 stage-0 engine on the fp16 wrapper, fp32 gradient accumulation included (it runs the
 same wrapper on 0.18.2 and 0.18.3), saves its state with the model and loads it back, as fp16 and fp32 engines do. A checkpoint written by stock (no optimizer state in it) loads as on stock: the
@@ -23,14 +23,17 @@ is not bf16 at stage 0 on the fp16 wrapper takes the same branch as stock.
 Composes with deepspeed/zero0-bf16-grads (the same engines' gradients): its static loss scale is part of the state
 saved here and loads back with it.
 """
-from dspatch.spec import Patch
+from dspatch.spec import Patch, Signature, Target
 
 ENGINE = "deepspeed.runtime.engine"
 SAVE, LOAD = "DeepSpeedEngine._save_checkpoint", "DeepSpeedEngine._load_checkpoint"
+LOAD_ZERO_FIRST = "DeepSpeedEngine.load_checkpoint"  # 0.17.6: it goes for a ZeRO file first, for every bf16 engine
 STOCK_TEST = "self.zero_optimization() or self.bfloat16_enabled()"
 
-# every release 0.18.0-0.18.4 (python tests/upstream_releases.py deepspeed/zero0-bf16-checkpoint 0.18.0 0.18.4)
-FINGERPRINTS = {(ENGINE, SAVE): {"16466514ffc15cbb": "0.18.0-0.18.4"}, (ENGINE, LOAD): {"a9f9f9703946a06a": "0.18.0-0.18.4"}}
+# every release 0.17.6-0.18.4 (python tests/upstream_releases.py deepspeed/zero0-bf16-checkpoint 0.17.6 0.18.4)
+TARGETS = (Target(ENGINE, SAVE, {"16466514ffc15cbb": "0.17.6-0.18.4"}),
+           Target(ENGINE, LOAD, {"a9f9f9703946a06a": "0.17.6-0.18.4"}),
+           Target(ENGINE, LOAD_ZERO_FIRST, {"b062bec1dff6c016": "0.17.6"}, releases="<0.18.0"))
 
 
 def state_elsewhere(engine, checkpoint=None):
@@ -62,6 +65,8 @@ def _test_with(arguments):
 def apply(txn):
     txn.recode(txn.target(SAVE), _test_with("self"))
     txn.recode(txn.target(LOAD), _test_with("self, checkpoint"))
+    if txn.has(LOAD_ZERO_FIRST):  # 0.17.6
+        txn.recode(txn.target(LOAD_ZERO_FIRST), _test_with("self"))
 
 
 PATCH = Patch(
@@ -72,10 +77,14 @@ PATCH = Patch(
     symptom="a run resumed from a bf16 ZeRO-0 checkpoint restarts Adam (step count and moments anew)",
     distribution="deepspeed",
     affected=">=0.17.6,<0.18.5",
-    supported=">=0.18.0",
+    supported=">=0.17.6",
     fixed_in="0.18.5",
-    targets=FINGERPRINTS,
+    targets=TARGETS,
     apply=apply,
     links=("https://github.com/deepspeedai/DeepSpeed/pull/7786", "https://github.com/deepspeedai/DeepSpeed/pull/7515"),
-    diffs=("deepspeed/0027-zero0-bf16-checkpoint-0.18.0-0.18.4.patch",),
+    diffs=("deepspeed/0027-zero0-bf16-checkpoint-0.17.6.patch",
+           "deepspeed/0027-zero0-bf16-checkpoint-0.18.0-0.18.4.patch"),
+    # 0.17.6: load_checkpoint reads ZeRO files for a bf16 engine whose fp16 wrapper has no data-parallel group
+    signatures=(Signature(r"'FP16_(Unfused)?Optimizer' object has no attribute 'dp_process_group'",
+                          error="AttributeError", needs=(r"_get_all_zero_checkpoint_state_dicts|_get_zero_ckpt_name|_load_zero_checkpoint",)),),
 )

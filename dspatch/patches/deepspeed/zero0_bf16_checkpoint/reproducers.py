@@ -1,6 +1,7 @@
 """Reproducers: real deepspeed.initialize with bf16 at ZeRO stage 0 (CPU, one process) on a tiny Llama with torch's
 AdamW: three steps, `save_checkpoint`, a new engine, `load_checkpoint`. The optimizer's state the new engine holds
-must be the saved engine's: Adam's step count and moments, tensor for tensor. A silent bug, proven by numbers.
+must be the saved engine's: Adam's step count and moments, tensor for tensor. A silent bug on 0.18.0-0.18.4, proven by
+numbers; on 0.17.6 the load fails (AttributeError), and the reproducer prints upstream's traceback.
 
 Loaded only by `dspatch verify` and the tests (dspatch.spec.Patch.scenarios).
 """
@@ -73,16 +74,25 @@ def _saved_and_loaded(saved, optimizer_from_config):
 def _resumed(optimizer_from_config):
     saved = _engine(optimizer_from_config)
     _train(saved, _batches(STEPS))
-    resumed = _saved_and_loaded(saved, optimizer_from_config)
+    try:
+        resumed = _saved_and_loaded(saved, optimizer_from_config)
+    except AttributeError as error:  # 0.17.6: the load goes for a ZeRO file the fp16 wrapper cannot name
+        if "dp_process_group" not in str(error):
+            raise
+        import traceback
+
+        traceback.print_exc()  # upstream's traceback, as the job's log shows it
+        raise BugSeen(f"load_checkpoint did not restore Adam: it failed: {type(error).__name__}: {error}") from None
     want, got = _adam_state(saved), _adam_state(resumed)
     steps = lambda state: sorted({float(s[0]) for s in state.values() if s})
     if not all(want[key] and len(want[key]) == 3 for key in want):
         raise AssertionError(f"the saved engine's Adam has no step and moments for every parameter: {steps(want)}")
     if steps(got) != steps(want):
-        raise BugSeen(f"load_checkpoint restarted Adam: step {steps(got)} where the saved engine's read {steps(want)}")
+        raise BugSeen(f"load_checkpoint did not restore Adam: it restarted it: step {steps(got)} where the saved "
+                      f"engine's read {steps(want)}")
     off = max(float((a - b).abs().max()) for key in want for a, b in zip(want[key][1:], got[key][1:]))
     if off != 0.0:
-        raise BugSeen(f"load_checkpoint: Adam's moments {off:.2e} off the saved engine's")
+        raise BugSeen(f"load_checkpoint did not restore Adam: its moments are {off:.2e} off the saved engine's")
 
 
 def client_adamw_resumed():
@@ -97,12 +107,13 @@ def config_adamw_resumed():
 
 PROOF = Proof(
     scenarios={"client_adamw_resumed": client_adamw_resumed, "config_adamw_resumed": config_adamw_resumed},
-    expected_on_stock={"client_adamw_resumed": "load_checkpoint restarted Adam",
-                       "config_adamw_resumed": "load_checkpoint restarted Adam"},
+    expected_on_stock={"client_adamw_resumed": "load_checkpoint did not restore Adam",
+                       "config_adamw_resumed": "load_checkpoint did not restore Adam"},
     silent="the resumed run trains without an error, its optimizer state new",
+    loud_on="<0.18.0",  # 0.17.6: load_checkpoint's AttributeError, which the patch's signature names
     releases_checked=("0.17.6", "0.18.4"),
     # pins no stack of the matrix has: these sessions of the noxfile prove it too
-    proven_in=("ds0183", "ds0182"),
+    proven_in=("ds0183", "ds0182", "ds0176"),
 )
 
 

@@ -32,10 +32,17 @@ RESUMED = ("import json\n"
 def test_with_the_bf16_gradient_fix_a_resumed_run_is_the_uninterrupted_one_to_the_bit():
     """Both halves of bf16 at stage 0 fixed (the gradients, deepspeed/zero0-bf16-grads, and the checkpoint): the run
     saved after 3 steps and resumed in a new engine for the 4th has the uninterrupted run's weights exactly; with the
-    gradient fix alone (stock checkpoints) it is far off (0.77 measured on 0.18.3)."""
+    gradient fix alone (stock checkpoints) it is far off (0.77 measured on 0.18.3), or on 0.17.6 the load fails."""
     _applies()
     assert _run(RESUMED, f"{GRADS},{PID}") == [0.0, 0.0]
-    assert min(_run(RESUMED, GRADS)) > 0.01
+    from dspatch import upstream
+    from dspatch.versions import SpecifierSet, Version
+
+    if SpecifierSet(registry.all_patches()[PID].loud_on).contains(Version(upstream.installed_version("deepspeed"))):
+        stock = run_python(["-c", RESUMED], env=clean_env(DSPATCH=GRADS), warm="stack", check=False)
+        assert stock.returncode != 0 and "has no attribute 'dp_process_group'" in stock.stderr, stock.stderr[-2000:]
+    else:
+        assert min(_run(RESUMED, GRADS)) > 0.01
 
 
 STOCK_SAVE = ("import json, sys\n"
