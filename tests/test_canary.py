@@ -31,7 +31,9 @@ def canary(tmp_path, config, *args, env=None):
     (Z2, ["--loop", "trainer", "--ranks", "2"], "--ranks 2 is modelled for the engine loop"),
     (Z2, ["--loop", "trainer", "--group-lrs", "0.1,0.01"], "--group-lrs with the Trainer is not modelled"),
     (Z2, ["--group-lrs", "0.1"], "give two rates"),
-    (Z2, ["--boundary-call"], "give --backwards 2 or more")])
+    (Z2, ["--boundary-call"], "give --backwards 2 or more"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto", "cycle_max_lr": 0.1}}}, [],
+     "OneCycle is modelled with its values given")])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, why, monkeypatch):
     """Read before anything heavy: the unit session has no torch, so the check that torch is there comes first; the
     plan is judged here in-process."""
@@ -57,7 +59,7 @@ def test_without_the_stack_it_says_what_is_missing(tmp_path):
 
 @pytest.mark.unit_only
 def test_the_schedules_by_their_definitions():
-    from dspatch.canary.schedules import deepspeed_rates
+    from dspatch.canary.schedules import deepspeed_betas, deepspeed_rates
 
     linear = deepspeed_rates({"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear",
                                                              "warmup_min_lr": 0.0}}, [0.1, 0.02], 6)
@@ -68,6 +70,22 @@ def test_the_schedules_by_their_definitions():
     cosine = deepspeed_rates({"type": "WarmupCosineLR", "params": {"warmup_num_steps": 2, "total_num_steps": 4,
                                                                    "warmup_type": "linear"}}, [0.1, 0.02], 4)
     assert cosine[0] == [0.0, 0.0] and cosine[2] == pytest.approx([0.05, 0.01])
+    # OneCycle: up over 2 iterations, down over 2, then decaying; the momentum the other way, as built at its minimum
+    cycle = {"type": "OneCycle", "params": dict(ONE_CYCLE)}
+    assert [r[0] for r in deepspeed_rates(cycle, [0.1], 7)] == pytest.approx(
+        [0.001, 0.0055, 0.01, 0.0055, 0.001, 0.001 / 1.5, 0.0005])
+    betas = deepspeed_betas(cycle, 1, 7)
+    assert [b[0][0] for b in betas] == pytest.approx([0.8, 0.85, 0.8, 0.85, 0.9, 0.909, 0.918])
+    assert all(b[0][1] == 0.99 for b in betas)
+    stairs = {"type": "OneCycle", "params": {**ONE_CYCLE, "cycle_first_step_size": 4, "cycle_second_step_size": 4,
+                                             "cycle_first_stair_count": 2, "decay_step_size": 0}}
+    assert [r[0] for r in deepspeed_rates(stairs, [0.1], 10)] == pytest.approx(
+        [0.001, 0.001, 0.0055, 0.0055, 0.01, 0.0055, 0.0055, 0.001, 0.001, 0.001])
+    assert deepspeed_betas({**cycle, "params": {**ONE_CYCLE, "cycle_momentum": False}}, 1, 3) is None
+
+
+ONE_CYCLE = {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 2, "cycle_second_step_size": 2,
+             "decay_step_size": 1, "decay_lr_rate": 0.5, "decay_mom_rate": 0.01}
 
 
 # (patch, loop and options, config, the shapes stock shows): every silent bug of the catalogues dspatch patches, as
@@ -184,3 +202,24 @@ def test_the_report_a_user_reads(tmp_path):
     crash = canary(tmp_path, {"zero_optimization": {"stage": 2}, "train_batch_size": 3,
                               "train_micro_batch_size_per_gpu": 2})
     assert crash.returncode == 1 and "CRASHED" in crash.stdout, crash.stdout[-2000:]
+
+
+@pytest.mark.stack
+def test_one_cycle_by_its_definition():
+    """OneCycle's rates and Adam's momentum, cycled and then decaying, by DeepSpeed's documentation: quiet with every
+    patch on. Its stair counts did nothing before 0.19.4 (PR 8179): there the canary reports the rates, from the first
+    step where a stair holds one."""
+    from dspatch.canary import deepspeed_side, judge
+    from dspatch.canary.plan import build_plan, default_options, version_of
+
+    base = {**Z2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    plans = [build_plan({**base, "scheduler": {"type": "OneCycle", "params": params}}, default_options(accumulation=1))
+             for params in (ONE_CYCLE, {**ONE_CYCLE, "cycle_first_step_size": 4, "cycle_second_step_size": 4,
+                                         "cycle_first_stair_count": 2})]
+    continuous, stairs = deepspeed_side(plans, clean_env(DSPATCH="1"))
+    assert continuous["error"] is None and judge(plans[0], continuous) is None, judge(plans[0], continuous)
+    found = judge(plans[1], stairs)
+    if version_of("deepspeed") >= (0, 19, 4):
+        assert found is None, found
+    else:
+        assert found and found["code"] == "lr" and found["step"] == 2, found

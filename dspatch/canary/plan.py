@@ -71,6 +71,11 @@ def _refuse(config, options):
     scheduler = _get(config, "scheduler.type")
     if scheduler is not None and scheduler not in SCHEDULERS:
         return f"the scheduler {scheduler!r} is not modelled ({', '.join(SCHEDULERS)} are)"
+    if scheduler == "OneCycle":
+        given = _get(config, "scheduler.params") or {}
+        if any(given.get(key) in (None, "auto") for key in ("cycle_min_lr", "cycle_max_lr")) or \
+                "auto" in given.values():
+            return "OneCycle is modelled with its values given (cycle_min_lr, cycle_max_lr; no \"auto\")"
     if _get(config, "pipeline") or _get(config, "pipeline_parallel_size"):
         return "pipeline parallelism is not modelled (the canary trains one stage)"
     if _get(config, "zero_optimization.offload_optimizer.device") == "nvme" or \

@@ -65,6 +65,14 @@ def rates(plan, count):
     return [list(plan["lrs"]) for _ in range(count)]
 
 
+def momentum(plan, count):
+    """Adam's betas per group for `count` optimizer steps where the schedule cycles them (OneCycle), else None."""
+    from dspatch.canary.schedules import deepspeed_betas
+
+    block = plan["config"].get("scheduler")
+    return deepspeed_betas(block, len(plan["lrs"]), count) if block else None
+
+
 def clipping(plan):
     """The norm the gradient is clipped to (0: none): the config's gradient_clipping; where it sets none, for the
     Trainer max_grad_norm (as the Trainer clips without DeepSpeed), else DeepSpeed's own default (1.0 from 0.19.3,
@@ -102,6 +110,7 @@ def replay(plan, got):
     ranks = [micro_batches(plan, rank) for rank in range(plan["ranks"])]
     plan_windows = windows(plan)
     table = rates(plan, len(plan_windows))
+    moments = momentum(plan, len(plan_windows)) if "betas" in optimizer.defaults else None
     clip = clipping(plan)
     before = start(plan)
     steps = []
@@ -133,6 +142,8 @@ def replay(plan, got):
             torch.nn.utils.clip_grad_norm_([masters[n] for n, _ in named], clip)
         for group, rate in zip(optimizer.param_groups, step_rates):
             group["lr"] = rate
+        for group, betas in zip(optimizer.param_groups, moments[len(steps)] if moments else ()):
+            group["betas"] = betas
         optimizer.step()
         optimizer.zero_grad()
         steps.append({"lrs": step_rates, "gradient": sums, "parts": parts, "grad_norm": norm,
