@@ -28,7 +28,6 @@ def canary(tmp_path, config, *args, env=None):
     ({"fp16": {"enabled": True}}, [], "fp16 is not modelled"),
     ({"optimizer": {"type": "Lamb"}}, [], "the optimizer 'Lamb' is not modelled"),
     ({"scheduler": {"type": "Cyclic"}}, [], "the scheduler 'Cyclic' is not modelled"),
-    (Z2, ["--loop", "trainer", "--ranks", "2"], "--ranks 2 is modelled for the engine loop"),
     (Z2, ["--loop", "trainer", "--group-lrs", "0.1,0.01"], "--group-lrs with the Trainer is not modelled"),
     (Z2, ["--group-lrs", "0.1"], "give two rates"),
     (Z2, ["--boundary-call"], "give --backwards 2 or more"),
@@ -116,6 +115,7 @@ CASES = {
                                                      "not_divided"),
     "deepspeed/unfused-optimizer-init-step": (["--bf16"], {"zero_optimization": {"stage": 0}}, "adam_step_early"),
     "deepspeed/zero12-backward-twice": (["--backwards", "2"], Z2, "last_only"),
+    "accelerate/cpu-multi-process": (["--loop", "trainer", "--ranks", "2", "--ga", "3"], Z2, "unsharded"),
     "deepspeed/zero12-offload-backward-twice": (["--backwards", "2"], {"zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "cpu"}}}, "last_only"),
 }

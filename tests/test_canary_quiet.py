@@ -1,7 +1,7 @@
 """The quiet matrix of `dspatch canary`, raw engine and accelerate loops (tests/canary_matrix.py)."""
 import pytest
 
-from canary_matrix import quiet
+from canary_matrix import quiet, quiet_two_ranks
 
 pytestmark = pytest.mark.stack
 
@@ -9,3 +9,9 @@ pytestmark = pytest.mark.stack
 @pytest.mark.parametrize("loop", ["engine", "accelerate"])
 def test_nothing_wrong_is_quiet(loop):
     assert quiet(loop)
+
+
+@pytest.mark.parametrize("loop", ["trainer", "accelerate"])
+def test_two_ranks_shard_the_data_as_the_reference_does(loop):
+    """Two ranks under the loops that shard their own data: each rank trains on its own micro-batches, averaged."""
+    assert quiet_two_ranks(loop)

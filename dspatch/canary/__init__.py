@@ -64,8 +64,6 @@ def _options(args):
             raise Unmodelled(f"--group-lrs {args.group_lrs!r}: give two rates, as 0.01,0.001")
         if args.loop == "trainer":
             raise Unmodelled("--group-lrs with the Trainer is not modelled (its optimizer makes its own groups)")
-    if args.ranks == 2 and args.loop != "engine":
-        raise Unmodelled(f"--ranks 2 is modelled for the engine loop, not the {args.loop} loop")
     if args.backwards > 1 and args.loop != "engine":
         raise Unmodelled("--backwards is a raw engine loop's shape (several engine.backward() before a step)")
     if args.boundary_call and args.backwards < 2:

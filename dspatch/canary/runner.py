@@ -106,6 +106,18 @@ def _on(batch):
     return {key: on_accelerator(value) for key, value in batch.items()}
 
 
+def _every_ranks(plan, batches):
+    """The dataset a loop that shards its own data (accelerate's prepared loader, the Trainer's) is given on every
+    rank: with several ranks, the ranks' micro-batches interleaved (rank 0's first, rank 1's first, rank 0's second...),
+    so that the loader's sharding, batch i to rank i mod ranks, hands each rank its own, as the reference takes them."""
+    if plan["ranks"] < 2:
+        return batches
+    from dspatch.canary.model import micro_batches
+
+    each = [micro_batches(plan, rank) for rank in range(plan["ranks"])]
+    return [batch for group in zip(*each) for batch in group]
+
+
 def _accelerate_loop(plan, model, batches, record):
     import torch
 
@@ -121,7 +133,8 @@ def _accelerate_loop(plan, model, batches, record):
                               deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     params = groups(model, plan["lrs"])
     optimizer = DummyOptim(params, lr=plan["lrs"][0]) if config.get("optimizer") else optimizer_of(plan, params)
-    rows = [{key: value[i] for key, value in batch.items()} for batch in batches for i in range(len(batch["labels"]))]
+    rows = [{key: value[i] for key, value in batch.items()} for batch in _every_ranks(plan, batches)
+            for i in range(len(batch["labels"]))]
     loader = torch.utils.data.DataLoader(rows, batch_size=plan["micro"], shuffle=False)
     if config.get("scheduler"):
         scheduler = DummyScheduler(optimizer, warmup_num_steps=max(1, plan["warmup_steps"]))
@@ -156,7 +169,7 @@ def _trainer_loop(plan, model, batches, record):
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    rows = [{key: value[i].tolist() for key, value in batch.items()} for batch in batches
+    rows = [{key: value[i].tolist() for key, value in batch.items()} for batch in _every_ranks(plan, batches)
             for i in range(len(batch["labels"]))]
     reset_accelerate()
     with tempfile.TemporaryDirectory() as out:

@@ -97,6 +97,14 @@ def compare(plan, got, want, start):
         return {"step": len(got["steps"]) + 1, "what": "crash", "code": "crash", "words": got["error"].splitlines()[0],
                 "error": got["error"]}
     if len(got["steps"]) != want["count"]:
+        from dspatch.canary.plan import steps_taken
+
+        if plan["ranks"] > 1 and len(got["steps"]) == steps_taken(plan["loop"], plan["per_epoch"] * plan["ranks"],
+                                                                  plan["accumulation"], plan["epochs"]):
+            return {"step": min(len(got["steps"]), want["count"]) + 1, "what": "steps", "code": "unsharded",
+                    "words": f"DeepSpeed took {len(got['steps'])} optimizer steps where the loop means "
+                             f"{want['count']}: as many as one rank takes over every rank's micro-batches (the data "
+                             f"not sharded between the ranks)"}
         return {"step": min(len(got["steps"]), want["count"]) + 1, "what": "steps", "code": "windows",
                 "words": f"DeepSpeed took {len(got['steps'])} optimizer steps where the loop means {want['count']}: "
                          f"its accumulation windows are not the loop's (epochs of {plan['per_epoch']} micro-batches "

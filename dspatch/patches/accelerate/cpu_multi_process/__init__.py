@@ -65,6 +65,7 @@ PATCH = Patch(
     cause=("accelerate 1.13+ makes ranks launched without --cpu on a machine with no accelerator each process 0 of 1, "
            "even inside a process group of several"),
     symptom="CPU ranks each think they are process 0 of 1: no data sharding, no gradient sync, every rank saves",
+    canary=("unsharded",),  # dspatch canary --ranks 2 with the Trainer or an accelerate loop
     distribution="accelerate",
     affected=">=1.13.0",
     fixed_in=None,
