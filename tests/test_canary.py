@@ -32,7 +32,9 @@ def canary(tmp_path, config, *args, env=None):
     (Z2, ["--group-lrs", "0.1"], "give two rates"),
     (Z2, ["--boundary-call"], "give --backwards 2 or more"),
     ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto", "cycle_max_lr": 0.1}}}, [],
-     "OneCycle is modelled with its values given")])
+     "OneCycle is modelled with its values given"),
+    ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                                                   "last_batch_iteration": 5}}}, [], "resumed mid-schedule")])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, why, monkeypatch):
     """Read before anything heavy: the unit session has no torch, so the check that torch is there comes first; the
     plan is judged here in-process."""
@@ -80,6 +82,9 @@ def test_the_schedules_by_their_definitions():
                                              "cycle_first_stair_count": 2, "decay_step_size": 0}}
     assert [r[0] for r in deepspeed_rates(stairs, [0.1], 10)] == pytest.approx(
         [0.001, 0.001, 0.0055, 0.0055, 0.01, 0.0055, 0.0055, 0.001, 0.001, 0.001])
+    # an explicit null for the second count is "as many as the first", as an absent one
+    assert deepspeed_rates({**stairs, "params": {**stairs["params"], "cycle_second_stair_count": None}}, [0.1], 10) \
+        == deepspeed_rates(stairs, [0.1], 10)
     assert deepspeed_betas({**cycle, "params": {**ONE_CYCLE, "cycle_momentum": False}}, 1, 3) is None
 
 

@@ -76,6 +76,10 @@ def _refuse(config, options):
         if any(given.get(key) in (None, "auto") for key in ("cycle_min_lr", "cycle_max_lr")) or \
                 "auto" in given.values():
             return "OneCycle is modelled with its values given (cycle_min_lr, cycle_max_lr; no \"auto\")"
+        if given.get("last_batch_iteration", -1) != -1:
+            return "OneCycle resumed mid-schedule (last_batch_iteration) is not modelled"
+        if any(isinstance(value, list) for value in given.values()) and version_of("deepspeed") < (0, 19, 6):
+            return "OneCycle with a value per param group is not modelled before deepspeed 0.19.6 (which reads them)"
     if _get(config, "pipeline") or _get(config, "pipeline_parallel_size"):
         return "pipeline parallelism is not modelled (the canary trains one stage)"
     if _get(config, "zero_optimization.offload_optimizer.device") == "nvme" or \

@@ -76,8 +76,9 @@ def _one_cycle(params, groups):
     second = params.get("cycle_second_step_size")
     second = first if second is None else float(second)
     total, ratio = first + second, first / (first + second)
-    stairs = (int(params.get("cycle_first_stair_count", 0) or 0),
-              int(params.get("cycle_second_stair_count", params.get("cycle_first_stair_count", 0)) or 0))
+    up_stairs = int(params.get("cycle_first_stair_count", 0) or 0)
+    down_stairs = params.get("cycle_second_stair_count")  # None (or absent): as many as going up
+    stairs = (up_stairs, up_stairs if down_stairs is None else int(down_stairs))
     low, high = (_per_group(params.get(key), [0.0] * groups, None) for key in ("cycle_min_lr", "cycle_max_lr"))
     mom_low, mom_high = (_per_group(params.get(key), [0.0] * groups, default)
                          for key, default in (("cycle_min_mom", 0.8), ("cycle_max_mom", 0.9)))

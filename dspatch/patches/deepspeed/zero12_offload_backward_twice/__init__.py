@@ -5,7 +5,8 @@ At gradient accumulation 1 every backward is a gradient-accumulation boundary, a
 each parameter's gradient into the fp32 partition the CPU optimizer steps (`single_partition_of_fp32_groups[i].grad`):
 a copy, not an addition. A loop that calls `engine.backward` twice before one step (open-instruct's, and DeepSpeed
 issue 7352's) so trains on its last micro-batch only, silently, at ZeRO-1 and ZeRO-2, on every release this project
-runs (0.14.4 to 0.19.8). From 0.19.0 (PR 7981) the second backward also adds the CPU accumulation buffer, which the
+runs (0.14.4 to 0.19.8), but for 0.19.8's bf16/fp16 runs with fp32 gradient accumulation (a partition kept until
+the step, which sums). From 0.19.0 (PR 7981) the second backward also adds the CPU accumulation buffer, which the
 first backward of a step does not write: it holds the previous step's last gradient, added to this one.
 
 The workaround upstream documents, `set_gradient_accumulation_boundary(False)` before all but the last backward, does
@@ -14,15 +15,18 @@ not help at ZeRO-2 up to 0.18.9: with accumulation 1 the offload path never save
 backward trains. 0.19.0 saves it (PR 7981); ZeRO-1 reduces only at the boundary and is right there on every release.
 
 The fix, two parts. (1) A boundary copy for a parameter that an earlier boundary copied since the last `step()` adds
-the earlier gradient back (and the norm that clipping reads is the sum's); the CPU buffer, whose content that earlier
-gradient already holds, is emptied first. (2) On 0.14.4-0.18.9 the offload path saves a non-boundary gradient to the
+the earlier gradient back (and the norm that clipping reads is the sum's), after waiting for the device's copies;
+the CPU buffer, whose content that earlier gradient already holds, is emptied first. A group on 0.19.8's compact path
+is left to stock, which sums there. Not covered: a non-boundary backward between two boundaries of one step (a
+boundary, then `set_gradient_accumulation_boundary(False)`, then a boundary) loses the middle one on 0.19.x. (2) On 0.14.4-0.18.9 the offload path saves a non-boundary gradient to the
 CPU buffer at accumulation 1 too, and adds it back at the boundary, as 0.19.0 does (PR 7981's condition, limited to
 parameters whose buffer exists so that a run that never needs one allocates none). A step with one backward, and
 accumulation the engine drives, meet neither: the stock code runs, bit for bit.
 
 Proof: two `engine.backward()` a step at ZeRO-1 and ZeRO-2 with the optimizer offloaded, with and without the
 boundary call: stock's gradient is the last micro-batch's (or holds the previous step's), patched it is the sum, as
-plain torch's (dspatch.canary's reference), on old, mid, bridge, latest and the 0.18/0.19 sessions.
+plain torch's (dspatch.canary's reference), on old, mid, bridge, latest and the 0.18/0.19 sessions; in bf16 with fp32
+gradient accumulation too (0.19.8's compact path: stock's sum kept).
 """
 from dspatch.patches.deepspeed.zero12_backward_twice import boundary_now
 from dspatch.spec import Patch, Target
@@ -41,22 +45,37 @@ def _fp32_gradient(optimizer, param_id):
     return optimizer.single_partition_of_fp32_groups[group].grad.view(-1).narrow(0, offset, count)
 
 
+def _sums_itself(optimizer, param, args, kwargs):
+    """Whether this parameter's group takes 0.19.8's compact path (bf16/fp16 with fp32 gradient accumulation): its fp32
+    gradient partition is kept across backwards until the step, so a boundary copies the sum already."""
+    compact = getattr(optimizer, "_use_compact_grad_partition_buffer", None)
+    if compact is None:
+        return False
+    group = args[1] if len(args) > 1 else kwargs.get("group_idx")
+    return bool(compact(optimizer._get_param_group_idx(param) if group is None else group))
+
+
 def adding_to_earlier_boundaries(copied):
     """copy_grads_in_partition's wrapper; `copied` {optimizer: {param id}}, weakly keyed: the parameters a boundary
     copied into the fp32 partition since the last step."""
     def copy(wrapped, optimizer, args, kwargs):
         if not (optimizer.cpu_offload and boundary_now(optimizer)):
             return wrapped(*args, **kwargs)
-        param_id = optimizer.get_param_id(args[0] if args else kwargs["param"])
+        param = args[0] if args else kwargs["param"]
+        param_id = optimizer.get_param_id(param)
         done = copied.setdefault(optimizer, set())
-        if param_id not in done:  # the step's first boundary: stock
+        if param_id not in done or _sums_itself(optimizer, param, args, kwargs):  # the step's first boundary: stock
             done.add(param_id)
             return wrapped(*args, **kwargs)
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().synchronize()  # the copies to the pinned CPU partition are asynchronous on a device
         earlier = _fp32_gradient(optimizer, param_id).clone()
         buffered = getattr(optimizer, "accumulated_grads_in_cpu", {}).get(param_id)
         if buffered is not None:  # `earlier` holds what it holds; 0.19 would add it (or an older step's) again
             buffered.zero_()
         result = wrapped(*args, **kwargs)
+        get_accelerator().synchronize()
         now = _fp32_gradient(optimizer, param_id).add_(earlier)
         norm = optimizer.norm_for_param_grads.get(param_id)
         if norm is not None:  # clipping reads the norm of what the step takes
