@@ -1,7 +1,8 @@
 """Reproducers: real deepspeed.initialize at ZeRO-2 (CPU, one process, no offload) on a tiny Llama, gradient
-accumulation 3 and 4: the raw engine loop against plain torch, and the Trainer at ZeRO-2 against ZeRO-1 (right on
-every release). A silent bug, proven by numbers, with deepspeed/zero2-offload-grad-accum's machinery (its
-reproducers' module documents the tolerance); here the bug's shape is the last micro-batch of each window alone.
+accumulation 3 and 4: the raw engine loop against plain torch (`dspatch canary`'s comparison), and the Trainer at ZeRO-2
+against ZeRO-1 (right on every release). A silent bug, proven by numbers, with deepspeed/zero2-offload-grad-accum's
+machinery (its reproducers' module documents the tolerance); here the bug's shape is the last micro-batch of each
+window alone.
 
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
@@ -9,13 +10,11 @@ from dspatch.patches.deepspeed.zero2_offload_grad_accum.reproducers import engin
 from dspatch.spec import Proof
 
 
-def _last(index, accumulation):
-    return index == accumulation - 1
-
-
 def engine_loop_ga3():
-    """`engine.backward(loss); engine.step()` over 6 micro-batches at accumulation 3, ZeRO-2: plain torch's weights."""
-    engine_loop(3, False, _last, "ZeRO-2, accumulation 3: the update took the last micro-batch of each window only")
+    """`engine.backward(loss); engine.step()` over two epochs of 7 micro-batches at accumulation 3, ZeRO-2: every
+    step's gradient and update as plain torch's."""
+    engine_loop(3, False, "last_only", "ZeRO-2, accumulation 3: the update took the last micro-batch of each window "
+                                       "only")
 
 
 def trainer_ga4():

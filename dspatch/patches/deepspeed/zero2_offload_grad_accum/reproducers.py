@@ -1,15 +1,14 @@
 """Reproducers: real deepspeed.initialize at ZeRO-2 with the optimizer offloaded to the CPU (CPU, one process), on a
 tiny Llama, gradient accumulation 3 and 4: the raw engine loop and the Trainer. A silent bug, proven by numbers.
 
-The engine loop runs 2 optimizer steps with SGD (an update is the gradient itself) and compares every weight with the
-same steps taken by plain torch (each micro-batch's loss / GA, backward, step): equal on a right release (relative
-1e-5: flat fp32 buffers sum in another order than per-parameter ones; the bug moves weights by tens of percent). The
-Trainer runs the same recipe at ZeRO-2 and at ZeRO-1, both offloaded: ZeRO-1 reduces only at the boundary and is right
+The engine loop is `dspatch canary`'s comparison (dspatch.canary.reference): each step's gradient and update against
+plain torch's (each micro-batch's loss / GA, backward, step), relative 1e-5 (flat fp32 buffers sum in another order
+than per-parameter ones; the bug leaves whole micro-batches out), and a divergence of any other shape than this bug's
+is an error. The Trainer runs the same recipe at ZeRO-2 and at ZeRO-1, both offloaded: ZeRO-1 reduces only at the boundary and is right
 on every release, so the two must log the same grad_norm at every step and end with the same weights.
 
-Where the numbers differ, the engine loop checks that they are exactly those of this bug (plain torch with the middle
-micro-batches of each window left out), and the Trainer that every step's grad_norm and the weights differ, before
-either says so; any other difference is an error. The Trainer's runs are checked to be the ones meant (DeepSpeed at that
+Where the numbers differ, the Trainer checks that every step's grad_norm and the weights differ before it says so; any
+other difference is an error. The Trainer's runs are checked to be the ones meant (DeepSpeed at that
 stage, the optimizer offloaded, accumulation 4).
 
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
@@ -28,21 +27,6 @@ def _config(stage, accumulation, offload=True, **extra):
             "zero_force_ds_cpu_optimizer": False, "zero_optimization": zero, **extra}
 
 
-def _first_and_last(index, accumulation):
-    return index in (0, accumulation - 1)
-
-
-def _plain_torch(batches, accumulation, kept=None):
-    """The weights after STEPS SGD steps without DeepSpeed; `kept(index, accumulation)`: only the micro-batches of each
-    window it accepts, as a bug takes them."""
-    from dspatch.scenario import sgd_windows, tiny_llama, windows
-
-    def divisor(index):
-        return accumulation if not kept or kept(index, accumulation) else None
-
-    return sgd_windows(tiny_llama(), windows(batches[:STEPS * accumulation], accumulation, divisor), LR)
-
-
 def engine_weights(stage, accumulation, offload=True):
     """The weights after STEPS SGD steps of `engine.backward(loss); engine.step()` over one micro-batch at a time."""
     import torch
@@ -59,25 +43,23 @@ def engine_weights(stage, accumulation, offload=True):
     return weights(model)
 
 
-def engine_loop(accumulation, offload, kept, what):
-    """ZeRO-2's weights after STEPS SGD steps of the raw loop: plain torch's, or BugSeen(what...) where they are
-    plain torch's with only the micro-batches `kept` accepts."""
-    from dspatch.scenario import lm_batches, worst
+def engine_loop(accumulation, offload, shape, what):
+    """ZeRO-2's raw loop at `accumulation` (the optimizer offloaded or not) against plain torch, by `dspatch canary`'s
+    own comparison (dspatch.canary.reference: every step's gradient and update): BugSeen(what...) where the first
+    divergence has the bug's `shape` ("middle_dropped": each window's first and last micro-batch only; "last_only")."""
+    from dspatch.canary import expect_shape, in_process
 
-    batches = lm_batches(STEPS * accumulation)
-    got = engine_weights(2, accumulation, offload)
-    off = worst(got, _plain_torch(batches, accumulation))
-    if off <= RTOL:
-        return
-    if worst(got, _plain_torch(batches, accumulation, kept=kept)) <= RTOL:
-        raise BugSeen(f"{what} (weights {off:.0%} off plain torch)")
-    raise AssertionError(f"weights {off:.2e} off plain torch, and not as this bug drops micro-batches")
+    record, found = in_process(_config(2, accumulation, offload))
+    if record.error:
+        raise AssertionError(f"{what}: the run failed: {record.error}")
+    expect_shape(found, shape, what)
 
 
 def engine_loop_ga3():
-    """`engine.backward(loss); engine.step()` over 6 micro-batches at accumulation 3: plain torch's weights."""
-    engine_loop(3, True, _first_and_last, "ZeRO-2 + offloaded optimizer, accumulation 3: the update took "
-                                          "micro-batches 1 and 3 of each window only")
+    """`engine.backward(loss); engine.step()` over two epochs of 7 micro-batches at accumulation 3: every step's
+    gradient and update as plain torch's."""
+    engine_loop(3, True, "middle_dropped", "ZeRO-2 + offloaded optimizer, accumulation 3: the update took "
+                                           "micro-batches 1 and 3 of each window only")
 
 
 def trainer_ga4():
