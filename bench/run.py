@@ -1,7 +1,7 @@
 """dspatch benchmarks: every figure is a ratio against a baseline measured in the same run.
 
     nox -s bench                       (or: python bench/run.py in an environment with dspatch + a stack)
-    python bench/run.py --only=import  (--quick: fewer runs; --only=startup,import,steps: those parts)
+    python bench/run.py --only=import  (--quick: fewer runs; --only=startup,import,steps,offload: those parts)
 
 1. start-up: `python -c pass` in a fresh venv without dspatch, and in one with the dspatch wheel installed,
    DSPATCH unset and DSPATCH=1 (interleaved runs); plus what DSPATCH=1 imports, from -X importtime.
@@ -9,7 +9,8 @@
    DSPATCH=1 against unset, with dspatch's cache of computed results warm and cold (emptied before each run);
    and `python -m dspatch.apply --check` against `python -c "import deepspeed"`, cache warm and cold.
 3. ZeRO-3 training steps with DSPATCH=1 against stock (bench/zero3_steps.py, alternating runs): wall time
-   with a bootstrap interval, and Python opcodes per step (exact); fails when a target is not in force.
+   with a bootstrap interval, and Python opcodes per step (exact); fails when a target is not in force. The same
+   for ZeRO-2 steps with the optimizer offloaded to the CPU (part "offload").
 4. `dspatch explain` on a 100 MB training log with one traceback in it (bench/explain_log.py) against
    `grep -cE 'Error|Traceback'` on the same file, and explain's peak memory; and on a 400 MB one, its memory.
 """
@@ -128,16 +129,16 @@ def ratio_interval(stock, patched, draws=2000):
     return statistics.median(patched) / statistics.median(stock), ratios[int(0.025 * draws)], ratios[int(0.975 * draws)]
 
 
-def steps():
-    """ZeRO-3 steps, stock against DSPATCH=1: wall time over alternating runs (with the interval that says what
-    this machine can resolve), and Python opcodes per step (deterministic: resolves any difference).
-    Exits 1 when DSPATCH=1 did not put every target of a patch that applies in force."""
+def steps(workload="zero3"):
+    """ZeRO-3 steps (or ZeRO-2 with the optimizer offloaded), stock against DSPATCH=1: wall time over alternating runs
+    (with the interval that says what this machine can resolve), and Python opcodes per step (deterministic: resolves
+    any difference). Exits 1 when DSPATCH=1 did not put every target of a patch that applies in force."""
     rounds = 3 if QUICK else 10
     script = os.path.join(ROOT, "bench", "zero3_steps.py")
     results = {"stock": [], "DSPATCH=1": []}
     for _ in range(rounds):  # alternate stock and patched runs
         for label, e in (("stock", env(PYTHONHASHSEED="0")), ("DSPATCH=1", env(DSPATCH="1", PYTHONHASHSEED="0"))):
-            out = subprocess.run([sys.executable, script, "10" if QUICK else "40"], env=e, check=True,
+            out = subprocess.run([sys.executable, script, "10" if QUICK else "40", workload], env=e, check=True,
                                  capture_output=True, text=True, cwd="/").stdout
             results[label].append(json.loads(out.strip().splitlines()[-1]))
     stock = [r["step_s"] for r in results["stock"]]
@@ -145,7 +146,8 @@ def steps():
     applied = results["DSPATCH=1"][0]["applied"]
     same = all(r["losses"] == results["stock"][0]["losses"] for r in results["stock"] + results["DSPATCH=1"])
     ratio, low, high = ratio_interval(stock, patched)
-    print(f"\n3. ZeRO-3 training step (tiny Llama, CPU), {rounds} alternating runs each (per-run medians)")
+    name = "ZeRO-2 with the optimizer offloaded" if workload == "zero2-offload" else "ZeRO-3"
+    print(f"\n3. {name} training step (tiny Llama, CPU), {rounds} alternating runs each (per-run medians)")
     print(f"   wall: stock {statistics.median(stock) * 1e3:.2f} ms, DSPATCH=1 {statistics.median(patched) * 1e3:.2f} ms: "
           f"x{ratio:.4f}, 95% interval x{low:.3f} to x{high:.3f} (what this machine resolves)")
     ops_stock = [r["opcodes_per_step"] for r in results["stock"]]
@@ -154,7 +156,7 @@ def steps():
     print(f"   Python opcodes per step: stock {o_s:.0f} ({min(ops_stock):.0f}-{max(ops_stock):.0f}), DSPATCH=1 "
           f"{o_p:.0f} ({min(ops_patched):.0f}-{max(ops_patched):.0f}): x{o_p / o_s:.6f}; stock against stock "
           f"differs by up to {(max(ops_stock) - min(ops_stock)) / o_s * 100:.4f}%")
-    print(f"   applied {applied} (changes in force / targets); losses bit-identical to stock in every run: {same}")
+    print(f"   applied {applied} (targets changed and in force / targets); losses bit-identical to stock in every run: {same}")
     from dspatch import gating, registry
 
     # the patches of what this job imports (deepspeed, accelerate); the Trainer's and trl's are not on its path
@@ -190,7 +192,8 @@ def explain_speed():
 
 
 if __name__ == "__main__":
-    PARTS = {"startup": startup, "import": import_and_check, "steps": steps, "explain": explain_speed}
+    PARTS = {"startup": startup, "import": import_and_check, "steps": steps,
+             "offload": lambda: steps("zero2-offload"), "explain": explain_speed}
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), list(PARTS))
     for part in only:
         PARTS[part]()

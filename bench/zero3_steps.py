@@ -1,4 +1,5 @@
-"""Time ZeRO-3 training steps of a tiny Llama in this process (stock, or DSPATCH=1 through dspatch.pth).
+"""Time ZeRO-3 training steps of a tiny Llama in this process (stock, or DSPATCH=1 through dspatch.pth); with
+`zero2-offload` as the second argument, ZeRO-2 steps with the optimizer offloaded to the CPU (torch's AdamW) instead.
 Prints {"step_s": median seconds per step, "losses": [...], "applied": {id: [changes in force, targets]},
 "opcodes_per_step": n} as its last line. `opcodes_per_step` counts the Python bytecode instructions one step
 executes (sys.settrace): deterministic, so stock and patched compare exactly, where wall time on a shared
@@ -9,7 +10,7 @@ import sys
 import time
 
 
-def main(steps):
+def main(steps, workload="zero3"):
     from dspatch.scenario import init_deepspeed, zero3_config
 
     deepspeed = init_deepspeed()
@@ -23,7 +24,14 @@ def main(steps):
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config)
-    engine, *_ = deepspeed.initialize(model=model, config=zero3_config(), model_parameters=model.parameters())
+    if workload == "zero2-offload":  # the path deepspeed/zero12-offload-backward-twice wraps
+        offload = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+                   "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
+                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+        engine, *_ = deepspeed.initialize(model=model, config=offload,
+                                          optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    else:
+        engine, *_ = deepspeed.initialize(model=model, config=zero3_config(), model_parameters=model.parameters())
     generator = torch.Generator().manual_seed(1)
     times, losses = [], []
     warmup = 10  # the first steps record ZeRO-3's trace and warm the allocator
@@ -37,8 +45,9 @@ def main(steps):
             times.append(time.perf_counter() - t)
         losses.append(float(loss.item()).hex())
     runtime = dspatch._runtime
-    applied = {pid: [len(txn.changes()) if txn.intact() else 0, len(txn.patch.targets)]
-               for pid, txn in runtime.state.applied.items()}
+    # the targets each patch has changed (one may be rebuilt and wrapped), against its targets
+    applied = {pid: [len({change.split(": ")[0] for change in txn.changes()}) if txn.intact() else 0,
+                     len(txn.patch.targets)] for pid, txn in runtime.state.applied.items()}
     print(json.dumps({"step_s": statistics.median(times), "losses": losses, "applied": applied,
                       "opcodes_per_step": opcodes_per_step(engine, config, generator)}))
 
@@ -68,4 +77,4 @@ def opcodes_per_step(engine, config, generator, steps=2):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 40)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 40, *sys.argv[2:3])

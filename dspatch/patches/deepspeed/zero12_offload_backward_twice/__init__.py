@@ -28,7 +28,6 @@ boundary call: stock's gradient is the last micro-batch's (or holds the previous
 plain torch's (dspatch.canary's reference), on old, mid, bridge, latest and the 0.18/0.19 sessions; in bf16 with fp32
 gradient accumulation too (0.19.8's compact path: stock's sum kept).
 """
-from dspatch.patches.deepspeed.zero12_backward_twice import boundary_now
 from dspatch.spec import Patch, Target
 
 STAGE12 = "deepspeed.runtime.zero.stage_1_and_2"
@@ -56,17 +55,25 @@ def _sums_itself(optimizer, param, args, kwargs):
 
 
 def adding_to_earlier_boundaries(copied):
-    """copy_grads_in_partition's wrapper; `copied` {optimizer: {param id}}, weakly keyed: the parameters a boundary
-    copied into the fp32 partition since the last step."""
+    """copy_grads_in_partition's wrapper; `copied` {optimizer: {id of a parameter}}, weakly keyed: the parameters a
+    boundary copied into the fp32 partition since the last step."""
+    import weakref
+
+    last = [lambda: None, set()]  # the optimizer last seen (weakly) and its set: one lookup a step, not a parameter
+
     def copy(wrapped, optimizer, args, kwargs):
-        if not (optimizer.cpu_offload and boundary_now(optimizer)):
+        if not optimizer.cpu_offload:
             return wrapped(*args, **kwargs)
-        param = args[0] if args else kwargs["param"]
+        flag = optimizer.is_gradient_accumulation_boundary  # an attribute until 0.19.4, a method from 0.19.5
+        if not (flag() if callable(flag) else flag):
+            return wrapped(*args, **kwargs)
+        if last[0]() is not optimizer:
+            last[:] = weakref.ref(optimizer), copied.setdefault(optimizer, set())
+        done, param = last[1], args[0] if args else kwargs["param"]
+        if id(param) not in done or _sums_itself(optimizer, param, args, kwargs):  # the step's first boundary: stock
+            done.add(id(param))
+            return wrapped(*args, **kwargs)
         param_id = optimizer.get_param_id(param)
-        done = copied.setdefault(optimizer, set())
-        if param_id not in done or _sums_itself(optimizer, param, args, kwargs):  # the step's first boundary: stock
-            done.add(param_id)
-            return wrapped(*args, **kwargs)
         from deepspeed.accelerator import get_accelerator
 
         get_accelerator().synchronize()  # the copies to the pinned CPU partition are asynchronous on a device
@@ -88,7 +95,9 @@ def adding_to_earlier_boundaries(copied):
 def consumed(copied):
     """step's wrapper: a step takes what the boundaries copied."""
     def step(wrapped, optimizer, args, kwargs):
-        copied.pop(optimizer, None)
+        done = copied.get(optimizer)
+        if done:
+            done.clear()  # the same set: the copy wrapper keeps it at hand
         return wrapped(*args, **kwargs)
 
     return step
