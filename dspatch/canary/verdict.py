@@ -74,8 +74,10 @@ def _rates_shape(got, want):
         return "lr_groups", "every param group at group 0's rate"
     if all(abs(g - 0.001) <= 1e-12 for g in got):
         return "lr_groups", "every param group at 0.001 (a default, not the optimizer's rate)"
-    return "lr", "rates " + ", ".join(f"{g:.6g}" for g in got) + " where the schedule gives " + \
+    words = "rates " + ", ".join(f"{g:.6g}" for g in got) + " where the schedule gives " + \
         ", ".join(f"{w:.6g}" for w in want)
+    # groups meant at one rate (or one group): the schedule itself is off, not a group at another's rate
+    return ("lr" if len(set(want)) > 1 else "lr_schedule"), words
 
 
 def _adam_second_step(plan):
