@@ -48,7 +48,7 @@ class _Dropping(dict):
         dict.__setitem__(self, key, value)
 
 
-def boundary_now(optimizer):
+def _boundary(optimizer):
     flag = optimizer.is_gradient_accumulation_boundary  # an attribute until 0.19.4, a method from 0.19.5
     return bool(flag() if callable(flag) else flag)
 
@@ -62,7 +62,7 @@ def summing(kept):
     """The epilogue's wrapper; `kept` {optimizer: {group: [gradients]}}, weakly keyed: a boundary's gradients that no
     step consumed yet."""
     def epilogue(wrapped, optimizer, args, kwargs):
-        if optimizer.cpu_offload or not (boundary_now(optimizer) or optimizer in kept):
+        if optimizer.cpu_offload or not (_boundary(optimizer) or optimizer in kept):
             return wrapped(*args, **kwargs)  # no boundary, nothing kept: the stock path, untouched
         import torch
 
