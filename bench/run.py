@@ -156,7 +156,8 @@ def steps(workload="zero3"):
     print(f"   Python opcodes per step: stock {o_s:.0f} ({min(ops_stock):.0f}-{max(ops_stock):.0f}), DSPATCH=1 "
           f"{o_p:.0f} ({min(ops_patched):.0f}-{max(ops_patched):.0f}): x{o_p / o_s:.6f}; stock against stock "
           f"differs by up to {(max(ops_stock) - min(ops_stock)) / o_s * 100:.4f}%")
-    print(f"   applied {applied} (targets changed and in force / targets); losses bit-identical to stock in every run: {same}")
+    print(f"   applied {applied} (targets changed and in force / targets); losses bit-identical to stock in every "
+          f"run: {same}")
     from dspatch import gating, registry
 
     # the patches of what this job imports (deepspeed, accelerate); the Trainer's and trl's are not on its path

@@ -45,9 +45,8 @@ def main(steps, workload="zero3"):
             times.append(time.perf_counter() - t)
         losses.append(float(loss.item()).hex())
     runtime = dspatch._runtime
-    # the targets each patch has changed (one may be rebuilt and wrapped), against its targets
-    applied = {pid: [len({change.split(": ")[0] for change in txn.changes()}) if txn.intact() else 0,
-                     len(txn.patch.targets)] for pid, txn in runtime.state.applied.items()}
+    applied = {pid: [len(txn.targets_changed()) if txn.intact() else 0, len(txn.patch.targets)]
+               for pid, txn in runtime.state.applied.items()}
     print(json.dumps({"step_s": statistics.median(times), "losses": losses, "applied": applied,
                       "opcodes_per_step": opcodes_per_step(engine, config, generator)}))
 

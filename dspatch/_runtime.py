@@ -386,6 +386,10 @@ class Transaction:
     def changes(self):
         return [change.describe() for change in self._undo]
 
+    def targets_changed(self):
+        """The targets this transaction changed ("module:qualname"); one may be both rebuilt and wrapped."""
+        return {repr(change.target) for change in self._undo}
+
     def blocked(self):
         """Changes that cannot be undone now (another tool swapped a function's code since)."""
         return [why for why in (change.blocked() for change in self._undo) if why]

@@ -144,15 +144,22 @@ def last_json(proc):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def skip_unless_applies(*pids):
+    """Skip the calling test (a module's fixture: its tests) where one of `pids` does not apply to this stack, with
+    the gate's reason: a patch's own tests run where its fix is installed."""
+    from dspatch import gating, registry
+
+    for pid in pids:
+        found = gating.evaluate(registry.all_patches()[pid])
+        if found.verdict != gating.APPLIES:
+            pytest.skip(f"{pid} does not apply to this stack: {found.reason}")
+
+
 def stock_and_patched(pids, script, patched_env, patched="patched"):
     """{"stock": ..., `patched`: ...}: the last JSON line `script` prints, run on stock and with `patched_env`
     (DSPATCH=1, or one id), in the warm stack process; the test module is skipped where one of `pids` does not
     apply. The own tests of the silent gradient bugs compare the two."""
-    from dspatch import gating, registry
-
-    for pid in pids:
-        if gating.evaluate(registry.all_patches()[pid]).verdict != gating.APPLIES:
-            pytest.skip(f"{pid} does not apply to this stack")
+    skip_unless_applies(*pids)
     return {mode: last_json(run_python(["-c", script], env=clean_env(**env), warm="stack"))
             for mode, env in (("stock", {}), (patched, patched_env))}
 

@@ -269,7 +269,8 @@ for name in sys.argv[1:]:
     for t in threads:
         t.join()
 print(json.dumps({"errors": errors, "applied": _runtime.applied_ids(),
-                  "changes": {pid: txn.changes() for pid, txn in _runtime.state.applied.items()}}))
+                  "changes": {pid: txn.changes() for pid, txn in _runtime.state.applied.items()},
+                  "targets": {pid: sorted(txn.targets_changed()) for pid, txn in _runtime.state.applied.items()}}))
 '''
 
 
@@ -287,7 +288,7 @@ def test_targets_imported_from_two_threads_at_once_are_patched_exactly_once():
     for pid in out["applied"]:
         changes = out["changes"][pid]
         assert len(changes) == len(set(changes)), (pid, changes)
-        assert {change.split(": ")[0] for change in changes} == {repr(t) for t in patches[pid].targets}, (pid, changes)
+        assert set(out["targets"][pid]) == {repr(t) for t in patches[pid].targets}, (pid, changes)
     said = [line for line in proc.stderr.splitlines() if line.startswith("dspatch: applied ")]
     for pid in out["applied"]:
         assert sum(line.count(f"{pid} (") for line in said) == 1, (pid, said)

@@ -135,8 +135,7 @@ def in_process(config, **options):
 
     the_plan = build_plan(config, default_options(**options))
     record = runner.run(the_plan)
-    return record, judge(the_plan, {"steps": record.steps, "losses": record.losses, "error": record.error,
-                                    "applied": []})
+    return record, judge(the_plan, record.as_dict([]))
 
 
 def expect_shape(found, code, what):
@@ -181,7 +180,7 @@ def describe(the_plan):
         bits.append(f"param groups at {', '.join(str(r) for r in the_plan['lrs'])}")
     if the_plan["backwards"] > 1:
         bits.append(f"{the_plan['backwards']} backwards a step"
-                    + (" (set_gradient_accumulation_boundary before each)" if the_plan.get("boundary_call") else ""))
+                    + (" (set_gradient_accumulation_boundary before each)" if the_plan["boundary_call"] else ""))
     return ", ".join(bits)
 
 

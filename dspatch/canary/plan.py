@@ -142,8 +142,8 @@ def build_plan(config, options):
             "micro": micro, "accumulation": ga, "per_epoch": per_epoch, "epochs": EPOCHS, "ranks": options["ranks"],
             "lrs": lrs, "precision": precision, "clip": clip, "max_grad_norm": max_grad_norm,
             "warmup_steps": warmup, "trainer_scheduler": options["scheduler"], "steps": options["steps"],
-            "backwards": options["backwards"], "boundary_call": options.get("boundary_call", False), "stage": stage, "offloaded": offloaded,
-            "device": options.get("device", "cpu"), "seed": 0}
+            "backwards": options["backwards"], "boundary_call": options["boundary_call"], "stage": stage,
+            "offloaded": offloaded, "device": options.get("device", "cpu"), "seed": 0}
 
 
 def steps_taken(loop, per_epoch, ga, epochs=EPOCHS):
@@ -159,7 +159,8 @@ def default_options(**given):
     """The command's options as plan() takes them, its defaults where not given."""
     options = {"loop": "engine", "ranks": 1, "steps": 6, "group_lrs": None, "micro_batch": 1, "accumulation": 1,
                "lr": 0.05, "max_grad_norm": 1.0, "warmup_steps": 0, "scheduler": "constant", "precision": "fp32",
-               "model": "llama", "head": "causal", "backwards": 1, "boundary_call": False, "device": os.environ.get("DS_ACCELERATOR", "cpu")}
+               "model": "llama", "head": "causal", "backwards": 1, "boundary_call": False,
+               "device": os.environ.get("DS_ACCELERATOR", "cpu")}
     options.update(given)
     return options
 

@@ -91,7 +91,7 @@ def _engine_loop(plan, model, batches, record):
     for _ in range(plan["epochs"]):
         for start in range(0, len(batches), per_step):
             for k, batch in enumerate(batches[start:start + per_step]):
-                if plan.get("boundary_call"):  # the step's last backward is its boundary, the others not
+                if plan["boundary_call"]:  # the step's last backward is its boundary, the others not
                     engine.set_gradient_accumulation_boundary(k == per_step - 1)
                 loss = engine(**_on(batch)).loss
                 engine.backward(loss)
@@ -205,6 +205,10 @@ class Record:
         self.steps.append({"lrs": lrs, "gradient": gradient,
                            "grad_norm": None if grad_norm is None else float(grad_norm), "weights": weights})
 
+    def as_dict(self, applied):
+        """What `dspatch canary` reads of a run: its steps, losses, error, and the patches in force (`applied`)."""
+        return {"steps": self.steps, "losses": self.losses, "error": self.error, "applied": applied}
+
     def logged(self, norms, losses):
         for step, norm, loss in zip(self.steps, norms, losses):
             step["logged_grad_norm"] = None if norm is None else float(norm)
@@ -244,8 +248,7 @@ def main(argv):
     records = []
     for one in plans if isinstance(plans, list) else [plans]:
         record = run(one)
-        records.append({"steps": record.steps, "losses": record.losses, "error": record.error,
-                        "applied": _runtime.applied_ids()})
+        records.append(record.as_dict(_runtime.applied_ids()))
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         torch.save(records if isinstance(plans, list) else records[0], argv[1])
     from dspatch.scenario import leave_distributed

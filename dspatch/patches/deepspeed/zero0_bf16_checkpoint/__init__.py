@@ -3,22 +3,23 @@
 Since PR 7515 (0.17.6) a bf16 engine at ZeRO stage 0 trains with DeepSpeed's fp16 optimizer wrapper
 (`FP16_UnfusedOptimizer` or `FP16_Optimizer`, running in bf16) instead of `BF16_Optimizer`. `_save_checkpoint` and
 `_load_checkpoint` still decide where the optimizer's state goes with `self.zero_optimization() or
-self.bfloat16_enabled()`: for bf16 they leave it out of the model file, as if a ZeRO file held it; but the fp16
-wrapper has no `dp_process_group`, so no ZeRO file is written either. On 0.18.0-0.18.4 `load_checkpoint` then silently
-keeps the new engine's own state: Adam's step count and moments start anew and the resumed run drifts from the
-uninterrupted one (measured on 0.18.2 and 0.18.3: Adam's `step` reads 1 after the load, the saved engine's 4; the
-weights a few per cent off after one more step). On 0.17.6 `load_checkpoint` itself goes for the ZeRO files first,
-with the same test, and fails with `AttributeError: 'FP16_UnfusedOptimizer' object has no attribute
-'dp_process_group'` (0.18.0 asks only `zero_optimization()` there). Fixed upstream in 0.18.5 (PR 7786), which drops `or self.bfloat16_enabled()` from the
+self.bfloat16_enabled()`: for bf16 they leave it out of the model file, as if a ZeRO file held it; but the fp16 wrapper
+has no `dp_process_group`, so no ZeRO file is written either. On 0.18.0-0.18.4 `load_checkpoint` then silently keeps the
+new engine's own state: Adam's step count and moments start anew and the resumed run drifts from the uninterrupted one
+(measured on 0.18.2 and 0.18.3: Adam's `step` reads 1 after the load, the saved engine's 4; the weights a few per cent
+off after one more step). On 0.17.6 `load_checkpoint` itself goes for the ZeRO files first, with the same test, and
+fails with `AttributeError: 'FP16_UnfusedOptimizer' object has no attribute 'dp_process_group'` (0.18.0 asks only
+`zero_optimization()` there). Fixed upstream in 0.18.5 (PR 7786), which drops `or self.bfloat16_enabled()` from the
 tests.
 
-The fix rebuilds both functions (on 0.17.6 `load_checkpoint` too) from the installed source with that one test
-replaced by `state_elsewhere(self)` from this module: the optimizer's state is kept out of the model file only at ZeRO stages >= 1, or in bf16 by an optimizer
-other than the fp16 wrapper (a `BF16_Optimizer`, which a bf16 engine built without an optimizer gets; its state stays
-where stock puts it). So a bf16 stage-0 engine on the fp16 wrapper, fp32 gradient accumulation included (it runs the
-same wrapper on 0.18.2 and 0.18.3), saves its state with the model and loads it back, as fp16 and fp32 engines do. A checkpoint written by stock (no optimizer state in it) loads as on stock: the
-new engine keeps its own optimizer state, as nothing else can be done with it. Nothing else changes: an engine that
-is not bf16 at stage 0 on the fp16 wrapper takes the same branch as stock.
+The fix rebuilds both functions (on 0.17.6 `load_checkpoint` too) from the installed source with that one test replaced
+by `state_elsewhere(self)` from this module: the optimizer's state is kept out of the model file only at ZeRO stages
+>= 1, or in bf16 by an optimizer other than the fp16 wrapper (a `BF16_Optimizer`, which a bf16 engine built without an
+optimizer gets; its state stays where stock puts it). So a bf16 stage-0 engine on the fp16 wrapper, fp32 gradient
+accumulation included (it runs the same wrapper on 0.18.2 and 0.18.3), saves its state with the model and loads it back,
+as fp16 and fp32 engines do. A checkpoint written by stock (no optimizer state in it) loads as on stock: the new engine
+keeps its own optimizer state, as nothing else can be done with it. Nothing else changes: an engine that is not bf16 at
+stage 0 on the fp16 wrapper takes the same branch as stock.
 
 Composes with deepspeed/zero0-bf16-grads (the same engines' gradients): its static loss scale is part of the state
 saved here and loads back with it.
@@ -86,5 +87,6 @@ PATCH = Patch(
            "deepspeed/0027-zero0-bf16-checkpoint-0.18.0-0.18.4.patch"),
     # 0.17.6: load_checkpoint reads ZeRO files for a bf16 engine whose fp16 wrapper has no data-parallel group
     signatures=(Signature(r"'FP16_(Unfused)?Optimizer' object has no attribute 'dp_process_group'",
-                          error="AttributeError", needs=(r"_get_all_zero_checkpoint_state_dicts|_get_zero_ckpt_name|_load_zero_checkpoint",)),),
+                          error="AttributeError",
+                          needs=(r"_get_all_zero_checkpoint_state_dicts|_get_zero_ckpt_name|_load_zero_checkpoint",)),),
 )

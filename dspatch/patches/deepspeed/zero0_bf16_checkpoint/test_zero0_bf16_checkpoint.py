@@ -3,8 +3,8 @@ bf16 engines it leaves alone."""
 
 import pytest
 
-from conftest import clean_env, last_json, run_python
-from dspatch import gating, registry
+from conftest import clean_env, last_json, run_python, skip_unless_applies
+from dspatch import registry
 
 PID = "deepspeed/zero0-bf16-checkpoint"
 GRADS = "deepspeed/zero0-bf16-grads"
@@ -12,10 +12,9 @@ pytestmark = pytest.mark.stack
 
 
 def _applies():
-    """Where the patch applies (ds0183, ds0182: their proofs fail if it does not); the matrix's releases lack the bug."""
-    found = gating.evaluate(registry.all_patches()[PID])
-    if found.verdict != gating.APPLIES:
-        pytest.skip(f"{PID}: {found.reason}")
+    """Where the patch applies (ds0183, ds0182, ds0176: their proofs fail if it does not); the matrix's releases lack
+    the bug."""
+    skip_unless_applies(PID)
 
 
 def _run(code, dspatch, *args):

@@ -14,14 +14,14 @@ not help at ZeRO-2 up to 0.18.9: with accumulation 1 the offload path never save
 (`copy_grads_in_partition` saves to the CPU buffer only when `gradient_accumulation_steps > 1`), so again only the last
 backward trains. 0.19.0 saves it (PR 7981); ZeRO-1 reduces only at the boundary and is right there on every release.
 
-The fix, two parts. (1) A boundary copy for a parameter that an earlier boundary copied since the last `step()` adds
-the earlier gradient back (and the norm that clipping reads is the sum's), after waiting for the device's copies;
-the CPU buffer, whose content that earlier gradient already holds, is emptied first. A group on 0.19.8's compact path
-is left to stock, which sums there. Not covered: a non-boundary backward between two boundaries of one step (a
-boundary, then `set_gradient_accumulation_boundary(False)`, then a boundary) loses the middle one on 0.19.x. (2) On 0.14.4-0.18.9 the offload path saves a non-boundary gradient to the
-CPU buffer at accumulation 1 too, and adds it back at the boundary, as 0.19.0 does (PR 7981's condition, limited to
-parameters whose buffer exists so that a run that never needs one allocates none). A step with one backward, and
-accumulation the engine drives, meet neither: the stock code runs, bit for bit.
+The fix, two parts. (1) A boundary copy for a parameter that an earlier boundary copied since the last `step()` adds the
+earlier gradient back (and the norm that clipping reads is the sum's), after waiting for the device's copies; the CPU
+buffer, whose content that earlier gradient already holds, is emptied first. A group on 0.19.8's compact path is left to
+stock, which sums there. Not covered: a non-boundary backward between two boundaries of one step (a boundary, then
+`set_gradient_accumulation_boundary(False)`, then a boundary) loses the middle one on 0.19.x. (2) On 0.14.4-0.18.9 the
+offload path saves a non-boundary gradient to the CPU buffer at accumulation 1 too, and adds it back at the boundary, as
+0.19.0 does (PR 7981's condition, limited to parameters whose buffer exists so that a run that never needs one allocates
+none). A step with one backward, and accumulation the engine drives, meet neither: the stock code runs, bit for bit.
 
 Proof: two `engine.backward()` a step at ZeRO-1 and ZeRO-2 with the optimizer offloaded, with and without the
 boundary call: stock's gradient is the last micro-batch's (or holds the previous step's), patched it is the sum, as
@@ -35,7 +35,7 @@ COPY = "DeepSpeedZeroOptimizer.copy_grads_in_partition"
 STEP = "DeepSpeedZeroOptimizer.step"
 SAVES_ONLY_WHEN_GA = "self.gradient_accumulation_steps > 1"
 SAVES_OUTSIDE_A_BOUNDARY = ("self.gradient_accumulation_steps > 1 or not self.is_gradient_accumulation_boundary or "
-                            "self.micro_step_id > 0 and param_id in self.accumulated_grads_in_cpu")
+                            "self.micro_step_id > 0 and self.get_param_id(param) in self.accumulated_grads_in_cpu")
 
 
 def _fp32_gradient(optimizer, param_id):
@@ -112,7 +112,7 @@ def save_outside_a_boundary(definition):
 
     test = find_one(definition, lambda node: isinstance(node, ast.If) and ast.unparse(node.test) == SAVES_ONLY_WHEN_GA,
                     "the offload path's test before its CPU buffer")
-    test.test = expression(SAVES_OUTSIDE_A_BOUNDARY.replace("param_id", "self.get_param_id(param)"), test)
+    test.test = expression(SAVES_OUTSIDE_A_BOUNDARY, test)
 
 
 def apply(txn):

@@ -2,10 +2,15 @@
 stock's to the bit, and three backwards a step sum, with every patch on."""
 import pytest
 
-from dspatch import gating, registry
+from conftest import clean_env, skip_unless_applies
 
 PID = "deepspeed/zero12-offload-backward-twice"
 pytestmark = pytest.mark.stack
+
+
+@pytest.fixture(autouse=True)
+def _where_it_applies():
+    skip_unless_applies(PID)
 
 
 def _plans(*shapes, **extra):
@@ -19,7 +24,6 @@ def _plans(*shapes, **extra):
 
 
 def _records(plans, dspatch):
-    from conftest import clean_env
     from dspatch.canary import deepspeed_side
 
     return deepspeed_side(plans, clean_env(DSPATCH=dspatch) if dspatch else clean_env())
@@ -29,8 +33,6 @@ def test_offloaded_runs_without_a_second_boundary_are_stock_to_the_bit():
     """ZeRO-1/2 offloaded at accumulation 3 (the engine's windows), at accumulation 1 with one backward a step (with
     clipping), and ZeRO-1 with the boundary call (where stock sums): every step's gradient, norm and weights equal
     stock's exactly, with the patch applied."""
-    if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply here")
     import torch
 
     plans = _plans((1, 3, 0.0, 1), (2, 3, 0.0, 1), (2, 1, 1.0, 1), (1, 1, 0.0, 2))
@@ -48,8 +50,6 @@ def test_offloaded_runs_without_a_second_boundary_are_stock_to_the_bit():
 def test_three_backwards_a_step_sum_with_every_patch_on():
     """Three backwards a step at ZeRO-2 offloaded, without and with the boundary call (where the middle one needs
     deepspeed/zero2-offload-grad-accum too on 0.15.2-0.18.9): DSPATCH=1 trains as plain torch."""
-    if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply here")
     from dspatch.canary import judge
 
     plans = _plans((2, 1, 0.0, 3))
@@ -63,8 +63,6 @@ def test_bf16_with_fp32_accumulation_sums_once():
     """bf16 with fp32 gradient accumulation, two backwards a step, ZeRO-2 offloaded: 0.19.8 keeps that partition until
     the step (its compact path sums by itself, and the patch leaves it); elsewhere the patch sums. Either way DSPATCH=<id>
     trains as plain torch (a sum taken twice was 0.68 of the gradient's norm off)."""
-    if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply here")
     from dspatch.canary import judge
 
     plans = [dict(plan, boundary_call=False) for plan in _plans(

@@ -2,10 +2,10 @@
 tiny Llama, gradient accumulation 3 and 4: the raw engine loop and the Trainer. A silent bug, proven by numbers.
 
 The engine loop is `dspatch canary`'s comparison (dspatch.canary.reference): each step's gradient and update against
-plain torch's (each micro-batch's loss / GA, backward, step), relative 1e-5 (flat fp32 buffers sum in another order
-than per-parameter ones; the bug leaves whole micro-batches out), and a divergence of any other shape than this bug's
-is an error. The Trainer runs the same recipe at ZeRO-2 and at ZeRO-1, both offloaded: ZeRO-1 reduces only at the boundary and is right
-on every release, so the two must log the same grad_norm at every step and end with the same weights.
+plain torch's (each micro-batch's loss / GA, backward, step), relative 1e-5 (flat fp32 buffers sum in another order than
+per-parameter ones; the bug leaves whole micro-batches out), and a divergence of any other shape than this bug's is an
+error. The Trainer runs the same recipe at ZeRO-2 and at ZeRO-1, both offloaded: ZeRO-1 reduces only at the boundary and
+is right on every release, so the two must log the same grad_norm at every step and end with the same weights.
 
 Where the numbers differ, the Trainer checks that every step's grad_norm and the weights differ before it says so; any
 other difference is an error. The Trainer's runs are checked to be the ones meant (DeepSpeed at that

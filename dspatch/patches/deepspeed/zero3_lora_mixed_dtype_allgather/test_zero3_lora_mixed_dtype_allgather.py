@@ -4,7 +4,7 @@ parameter has one dtype (a bf16 model without adapters) the fix has nothing to d
 alone (stock itself is not reproducible there: 0.19.2's gather of several parameters can read one early on gloo)."""
 import pytest
 
-from conftest import clean_env, last_json, run_python
+from conftest import clean_env, last_json, run_python, skip_unless_applies
 
 pytestmark = pytest.mark.stack
 
@@ -21,10 +21,7 @@ print(json.dumps({"ranks": run("bf16")}))
 
 
 def test_one_dtype_trains_as_without_it_with_every_patch_active():
-    from dspatch import gating, registry
-
-    if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply to this stack")
+    skip_unless_applies(PID)
     alone, every = (last_json(run_python(["-c", RUN], env=clean_env(DSPATCH=value), warm="stack"))["ranks"]
                     for value in (GATHER, "1"))
     assert all(r["applied"] == [GATHER] for r in alone) and all(PID in r["applied"] for r in every)

@@ -7,7 +7,7 @@ as it is while Jamba's becomes a leaf, and on bridge PhiMoE's ranks routed apart
 transformers run apart."""
 import pytest
 
-from conftest import clean_env, last_json, run_python
+from conftest import clean_env, last_json, run_python, skip_unless_applies
 from dspatch.patches.deepspeed.zero3_moe_leaf_modules.reproducers import _how_it_failed
 
 pytestmark = pytest.mark.stack
@@ -30,13 +30,12 @@ def _run(mode, kind="mixtral", **env):
 
 @pytest.fixture(autouse=True)
 def applies_here(request):
-    from dspatch import gating, registry, upstream
+    from dspatch import upstream
     from dspatch.versions import Version
 
     if request.node.get_closest_marker("unit_only"):  # released sources only
         return
-    if gating.evaluate(registry.all_patches()[PID]).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply to this stack")
+    skip_unless_applies(PID)
     if request.node.get_closest_marker("any_deepspeed"):
         return
     if Version(upstream.installed_version("deepspeed")) < Version("0.18.0"):  # CI time: the shared proofs run here

@@ -10,7 +10,7 @@ from packaging.version import Version
 from dspatch import gating, registry
 from dspatch import upstream
 
-from conftest import clean_env, run_python, verify
+from conftest import clean_env, run_python, skip_unless_applies, verify
 
 pytestmark = pytest.mark.stack
 
@@ -20,8 +20,7 @@ DEQUE = "IndexError: pop from an empty deque"
 
 
 def _applies():
-    if gating.evaluate(PATCH).verdict != gating.APPLIES:
-        pytest.skip(f"{PID} does not apply to this stack: {gating.evaluate(PATCH).reason}")
+    skip_unless_applies(PID)
 
 
 def _trl():
