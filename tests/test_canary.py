@@ -34,7 +34,12 @@ def canary(tmp_path, config, *args, env=None):
     ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "auto", "cycle_max_lr": 0.1}}}, [],
      "OneCycle is modelled with its values given"),
     ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
-                                                   "last_batch_iteration": 5}}}, [], "resumed mid-schedule")])
+                                                   "last_batch_iteration": 5}}}, [], "resumed mid-schedule"),
+    (Z2, ["--loop", "pipeline"], "a pipeline trains at ZeRO-0 or 1"),
+    ({"zero_optimization": {"stage": 1}}, ["--loop", "pipeline", "--ranks", "1"], "a pipeline of one stage"),
+    ({}, ["--loop", "pipeline", "--group-lrs", "0.1,0.01"], "--group-lrs with --loop pipeline"),
+    ({}, ["--loop", "pipeline", "--model", "moe"], "trains its own token model"),
+    ({"pipeline": {"activation_checkpoint_interval": 0}}, [], "give --loop pipeline")])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, why, monkeypatch):
     """Read before anything heavy: the unit session has no torch, so the check that torch is there comes first; the
     plan is judged here in-process."""
@@ -123,6 +128,12 @@ CASES = {
     "accelerate/cpu-multi-process": (["--loop", "trainer", "--ranks", "2", "--ga", "3"], Z2, "unsharded"),
     "deepspeed/zero12-offload-backward-twice": (["--backwards", "2"], {"zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "cpu"}}}, "last_only"),
+    # a pipeline of 2 stages on 2 ranks (train_batch): 0.18.3-0.19.2 divide the first stage's gradient again,
+    # 0.16.0-0.18.2 divide no stage's
+    "deepspeed/pipe-grad-accum-scale": (["--loop", "pipeline", "--ga", "3"], {"zero_optimization": {"stage": 1}},
+                                        "stage_divided"),
+    "deepspeed/grad-accum-scale-no-allreduce": (["--loop", "pipeline", "--ga", "3"],
+                                                {"zero_optimization": {"stage": 1}}, "not_divided"),
 }
 ALSO_OUT = {"deepspeed/backward-scale-wrt-gas": ["deepspeed/output-hooks-gas-per-tensor"]}
 

@@ -4,6 +4,7 @@ plain torch, compared step by step, so that a silent training bug shows before a
     dspatch canary ds_config.json                          the raw engine loop (engine.backward/step)
     dspatch canary ds_config.json --loop trainer --ga 4     the Trainer, its arguments from the options
     dspatch canary ds_config.json --stock --json            also without dspatch; JSON for CI
+    dspatch canary ds_config.json --loop pipeline --ga 3    a 2-stage PipelineModule, train_batch, 2 ranks
 
 DeepSpeed trains in an interpreter of its own, with dspatch as the environment has it there (--stock: also one without
 it); the reference trains in this one (dspatch.canary.reference). Exit 0: DeepSpeed trained as plain torch does; 1: it
@@ -20,9 +21,10 @@ def arguments(parser):
     parser.add_argument("config", metavar="CONFIG", help="your DeepSpeed config (JSON); \"auto\" values are filled as "
                         "the Trainer fills them, from the options")
     parser.add_argument("--loop", choices=LOOPS, default="engine", help="the loop you train with: the raw engine "
-                        "(default), an accelerate loop under accumulate, or the Trainer")
-    parser.add_argument("--ranks", type=int, choices=(1, 2), default=1, help="1 (default) or 2 gloo/NCCL ranks "
-                        "(the engine loop)")
+                        "(default), an accelerate loop under accumulate, the Trainer, or a pipeline's train_batch "
+                        "(2 stages of a token model)")
+    parser.add_argument("--ranks", type=int, choices=(1, 2), default=None, help="1 or 2 gloo/NCCL ranks (default 1; "
+                        "2 with --loop pipeline, one stage each)")
     parser.add_argument("--steps", type=int, default=0, metavar="N", help="compare the first N optimizer steps only "
                         "(default: all; the data is two epochs the accumulation does not divide)")
     parser.add_argument("--group-lrs", metavar="LR,LR", default=None,
@@ -68,11 +70,15 @@ def _options(args):
         raise Unmodelled("--backwards is a raw engine loop's shape (several engine.backward() before a step)")
     if args.boundary_call and args.backwards < 2:
         raise Unmodelled("--boundary-call marks the backwards of a step: give --backwards 2 or more")
-    return default_options(loop=args.loop, ranks=args.ranks, steps=args.steps, group_lrs=rates,
+    ranks = args.ranks or (2 if args.loop == "pipeline" else 1)
+    return default_options(loop=args.loop, ranks=ranks, steps=args.steps, group_lrs=rates,
                            micro_batch=args.micro_batch, accumulation=args.ga or 1, lr=args.lr,
                            max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps, scheduler=args.scheduler,
                            precision="bf16" if args.bf16 else "fp32", model=args.model, head=args.head,
                            backwards=args.backwards, boundary_call=args.boundary_call)
+
+
+TIMEOUT = 600  # seconds per plan: a default run takes under 60 s on 2 cores
 
 
 def deepspeed_side(plans, env):
@@ -96,10 +102,16 @@ def deepspeed_side(plans, env):
                        "--master_port", free_port(), "-m", "dspatch.canary.runner", plan_path, out]
         else:
             command = [sys.executable, "-m", "dspatch.canary.runner", plan_path, out]
-        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT * len(
+                plans if many else [plans]))
+            why, stderr = f"exited {proc.returncode}", proc.stderr
+        except subprocess.TimeoutExpired as e:  # a rank that failed leaves the other waiting in a collective
+            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            why = f"did not finish in {e.timeout:.0f} s"
         if not os.path.exists(out):
             failed = {"steps": [], "losses": [], "applied": [],
-                      "error": f"the DeepSpeed run exited {proc.returncode} without a record:\n{proc.stderr[-4000:]}"}
+                      "error": f"the DeepSpeed run {why} without a record:\n{stderr[-4000:]}"}
             return [failed] * len(plans) if many else failed
         return torch.load(out, weights_only=False)
 
@@ -124,7 +136,7 @@ def judge(the_plan, got):
     else:
         found = verdict.compare(the_plan, got, reference.replay(the_plan, got), reference.start(the_plan))
     if found:
-        found["known"] = known_for(found, got)
+        found["known"] = known_for(found, got, the_plan["loop"])
     return found
 
 
@@ -149,9 +161,15 @@ def expect_shape(found, code, what):
         raise AssertionError(f"{what}: step {found['step']} ({found['what']}): {found['words']}")
 
 
-def known_for(found, got):
-    """The patches whose bug shows in this shape ({id, verdict here, applied in the run}); for a crash, those explain
-    names in its error."""
+# the libraries whose code each loop runs: deepspeed's engine always, accelerate's under accelerate and the Trainer,
+# transformers' Trainer only in its own loop
+LIBRARIES = {"engine": ("deepspeed",), "pipeline": ("deepspeed",), "accelerate": ("deepspeed", "accelerate"),
+             "trainer": ("deepspeed", "accelerate", "transformers")}
+
+
+def known_for(found, got, plan_loop="engine"):
+    """The patches whose bug shows in this shape in this loop ({id, verdict here, applied in the run}); for a crash,
+    those explain names in its error."""
     from dspatch import gating, registry
 
     patches = registry.all_patches()
@@ -160,8 +178,9 @@ def known_for(found, got):
 
         _, bugs, choices, _ = explain.explain(found.get("error", ""))
         ids = [b["id"] for b in bugs] + [i for c in choices for i in c["ids"]]
-    else:
-        ids = [pid for pid, p in patches.items() if found["code"] in p.canary]
+    else:  # a bug of a library the loop does not run cannot be what it shows
+        ids = [pid for pid, p in patches.items() if found["code"] in p.canary
+               and p.distribution in LIBRARIES[plan_loop]]
     named = []
     for pid in ids:
         verdict = gating.evaluate(patches[pid]).verdict
@@ -172,7 +191,8 @@ def known_for(found, got):
 
 def describe(the_plan):
     stage = the_plan["stage"]
-    bits = [f"{the_plan['loop']} loop", f"ZeRO-{stage}", f"GA {the_plan['accumulation']}", the_plan["precision"],
+    loop = f"pipeline of {the_plan['stages']} stages" if the_plan["loop"] == "pipeline" else f"{the_plan['loop']} loop"
+    bits = [loop, f"ZeRO-{stage}", f"GA {the_plan['accumulation']}", the_plan["precision"],
             f"{the_plan['ranks']} rank{'s' * (the_plan['ranks'] > 1)}"]
     if the_plan["offloaded"]:
         bits.append("optimizer offloaded to the CPU")

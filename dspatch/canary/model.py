@@ -4,12 +4,38 @@ hub), the same on both sides, bit for bit."""
 VOCAB, LENGTH, LABELS = 64, 8, 3
 
 
+def token_loss(logits, labels):
+    """A causal LM's loss without the shift: the mean cross-entropy of the tokens not labelled -100, in fp32."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                             ignore_index=-100)
+
+
+def _token_mlp():
+    """The pipeline loop's model: embedding, Linear-Tanh, an output head, as plain layers (a PipelineModule cuts a
+    list of layers into stages; a Llama's decoder layers take rotary embeddings from the model around them, which a
+    stage does not have). Called as a Llama is, `model(input_ids=, labels=).loss`, for the reference."""
+    import types
+
+    import torch
+
+    class TokenMLP(torch.nn.Sequential):
+        def forward(self, input_ids, labels):
+            return types.SimpleNamespace(loss=token_loss(super().forward(input_ids), labels))
+
+    return TokenMLP(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                    torch.nn.Linear(32, VOCAB))
+
+
 def build(plan):
     """The model the plan names, its weights drawn after torch.manual_seed(plan["seed"])."""
     import torch
     import transformers
 
     torch.manual_seed(plan["seed"])
+    if plan["model"] == "mlp":
+        return _token_mlp()
     if plan["model"] == "moe":  # a sparse mixture of experts: four experts, two per token
         config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

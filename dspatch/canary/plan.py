@@ -6,7 +6,7 @@ A plan is plain JSON (it crosses into the interpreter that runs DeepSpeed). Noth
 import json
 import os
 
-LOOPS = ("engine", "accelerate", "trainer")
+LOOPS = ("engine", "accelerate", "trainer", "pipeline")
 HEADS = ("causal", "sequence", "token")
 MODELS = ("llama", "moe")
 OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}  # DeepSpeed's names the reference models
@@ -80,13 +80,31 @@ def _refuse(config, options):
             return "OneCycle resumed mid-schedule (last_batch_iteration) is not modelled"
         if any(isinstance(value, list) for value in given.values()) and version_of("deepspeed") < (0, 19, 6):
             return "OneCycle with a value per param group is not modelled before deepspeed 0.19.6 (which reads them)"
-    if _get(config, "pipeline") or _get(config, "pipeline_parallel_size"):
-        return "pipeline parallelism is not modelled (the canary trains one stage)"
+    if options.get("loop") == "pipeline":
+        why = _refuse_pipeline(config, options, stage)
+        if why:
+            return why
+    elif _get(config, "pipeline") or _get(config, "pipeline_parallel_size"):
+        return "a pipeline config: give --loop pipeline (the other loops train one stage)"
     if _get(config, "zero_optimization.offload_optimizer.device") == "nvme" or \
             _get(config, "zero_optimization.offload_param.device") == "nvme":
         return "NVMe offload is not modelled"
     if stage not in (0, 1, 2, 3):
         return f"ZeRO stage {stage!r} is not one of 0-3"
+    return None
+
+
+def _refuse_pipeline(config, options, stage):
+    """Why the pipeline loop cannot model this, or None: DeepSpeed pipelines ZeRO-0/1 only; the canary's pipeline
+    is one stage per rank (no data parallelism beside it), one param group, its own token model."""
+    if stage not in (0, 1):
+        return f"a pipeline trains at ZeRO-0 or 1 (DeepSpeed refuses ZeRO-{stage} with pipeline parallelism)"
+    if options.get("ranks", 2) < 2:
+        return "a pipeline of one stage is the engine loop: --loop pipeline runs 2 stages on --ranks 2"
+    if options.get("group_lrs"):
+        return "--group-lrs with --loop pipeline is not modelled (one param group)"
+    if options.get("model", "llama") != "llama" or options.get("head", "causal") != "causal":
+        return "--loop pipeline trains its own token model (embedding, Linear-Tanh, head): no --model or --head"
     return None
 
 
@@ -112,11 +130,14 @@ def build_plan(config, options):
     warmup = options["warmup_steps"]
     # a config that leaves the batch out gets it as its loop's user passes it: the Trainer fills "auto" from
     # TrainingArguments, the other loops from the options
+    pipeline = options["loop"] == "pipeline"
+    stages = options["ranks"] if pipeline else 1
+    data_ranks = options["ranks"] // stages  # each stage a rank of its own: no data parallelism beside a pipeline
     for dotted, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", ga)):
         config.setdefault(dotted, "auto" if options["loop"] == "trainer" else value)
     if options["loop"] != "trainer":  # the Trainer fills these itself, from TrainingArguments
         for dotted, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", ga),
-                              ("train_batch_size", micro * ga * options["ranks"]), ("optimizer.params.lr", lr),
+                              ("train_batch_size", micro * ga * data_ranks), ("optimizer.params.lr", lr),
                               ("scheduler.params.warmup_max_lr", lr), ("scheduler.params.warmup_min_lr", 0),
                               ("scheduler.params.warmup_num_steps", max(1, warmup)),
                               ("scheduler.params.total_num_steps", total), ("gradient_clipping", 0.0),
@@ -138,7 +159,8 @@ def build_plan(config, options):
         lrs = list(options["group_lrs"])
     if options["head"] != "causal" and options["loop"] != "trainer":
         raise Unmodelled("--head sequence/token is modelled with --loop trainer only")
-    return {"loop": options["loop"], "config": config, "model": options["model"], "head": options["head"],
+    return {"loop": options["loop"], "config": config, "model": "mlp" if pipeline else options["model"],
+            "head": options["head"], "stages": stages, "data_ranks": data_ranks,
             "micro": micro, "accumulation": ga, "per_epoch": per_epoch, "epochs": EPOCHS, "ranks": options["ranks"],
             "lrs": lrs, "precision": precision, "clip": clip, "max_grad_norm": max_grad_norm,
             "warmup_steps": warmup, "trainer_scheduler": options["scheduler"], "steps": options["steps"],
@@ -150,7 +172,7 @@ def steps_taken(loop, per_epoch, ga, epochs=EPOCHS):
     """The optimizer steps a loop takes over `epochs` of `per_epoch` micro-batches at accumulation `ga`: the raw
     engine loop steps where DeepSpeed's own count says, over the whole stream (a last partial window is never
     applied); accelerate's `accumulate` and the Trainer end a window with each epoch."""
-    if loop == "engine" or (loop == "trainer" and version_of("transformers") < (4, 47)):  # the Trainer's own count
+    if loop in ("engine", "pipeline") or (loop == "trainer" and version_of("transformers") < (4, 47)):  # the Trainer's own count
         return (epochs * per_epoch) // ga
     return epochs * -(-per_epoch // ga)
 

@@ -20,7 +20,7 @@ def windows(plan):
 
     ga, per_epoch, epochs, calls = plan["accumulation"], plan["per_epoch"], plan["epochs"], plan["backwards"]
     steps = []
-    if plan["loop"] == "engine":
+    if plan["loop"] in ("engine", "pipeline"):  # a pipeline's train_batch takes GA micro-batches of the stream
         stream = [(epoch, index) for epoch in range(epochs) for index in range(per_epoch)]
         for start in range(0, len(stream) - ga + 1, ga):
             steps.append([(i * calls + c, ga) for _, i in stream[start:start + ga] for c in range(calls)])
@@ -107,7 +107,8 @@ def replay(plan, got):
     by_tensor = {id(p): masters[n] for n, p in named}
     optimizer = optimizer_of(plan, [{**group, "params": [by_tensor[id(p)] for p in group["params"]]}
                                     for group in groups(model, plan["lrs"])])
-    ranks = [micro_batches(plan, rank) for rank in range(plan["ranks"])]
+    # the data-parallel ranks' micro-batches (a pipeline's stages share one stream)
+    ranks = [micro_batches(plan, rank) for rank in range(plan.get("data_ranks", plan["ranks"]))]
     plan_windows = windows(plan)
     table = rates(plan, len(plan_windows))
     moments = momentum(plan, len(plan_windows)) if "betas" in optimizer.defaults else None

@@ -2,12 +2,13 @@
 
     python -m dspatch.canary.runner PLAN.json OUT.pt
 
-trains the plan's model through DeepSpeed on the plan's loop (the raw engine, an accelerate loop, the Trainer) and
-writes, with torch.save, {"steps": [{"lrs", "gradient", "grad_norm", "weights"} per optimizer step], "losses": every
-micro-batch's, "error": None or what failed, "applied": the patches in force}. Each step is recorded where DeepSpeed
-takes it (a wrapper on DeepSpeedEngine.step, whichever loop calls it): the rates and the full gradient just before
-(DeepSpeed's safe_get_full_grad: ZeRO partitions gathered), the norm it reports and the fp32 weights after
-(safe_get_full_fp32_param: bf16's master copy).
+trains the plan's model through DeepSpeed on the plan's loop (the raw engine, an accelerate loop, the Trainer, a
+pipeline's train_batch) and writes, with torch.save, {"steps": [{"lrs", "gradient", "grad_norm", "weights"} per
+optimizer step], "losses": every micro-batch's (a pipeline: every batch's), "error": None or what failed, "applied":
+the patches in force, "stages": a pipeline's parameter names per stage}. Each step is recorded where DeepSpeed takes
+it (a wrapper on DeepSpeedEngine.step, whichever loop calls it; on PipelineEngine._take_model_step for a pipeline):
+the rates and the full gradient just before (DeepSpeed's safe_get_full_grad: ZeRO partitions gathered), the norm it
+reports and the fp32 weights after (safe_get_full_fp32_param: bf16's master copy).
 """
 import json
 import sys
@@ -60,9 +61,14 @@ def instrument(record):
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     RECORDING[:] = [record]
-    if getattr(DeepSpeedEngine.step, "dspatch_canary", False):
+    _record_steps_of(DeepSpeedEngine, "step")
+
+
+def _record_steps_of(cls, name):
+    """Wrap `cls.name`, a method that takes the optimizer step at a boundary, to record each step it takes (once)."""
+    original = getattr(cls, name)
+    if getattr(original, "dspatch_canary", False):
         return
-    original = DeepSpeedEngine.step
 
     def step(self, *args, **kwargs):
         boundary = self.is_gradient_accumulation_boundary()
@@ -76,7 +82,7 @@ def instrument(record):
         return result
 
     step.dspatch_canary = True
-    DeepSpeedEngine.step = step
+    setattr(cls, name, step)
 
 
 def _engine_loop(plan, model, batches, record):
@@ -104,6 +110,39 @@ def _on(batch):
     from dspatch.scenario import on_accelerator
 
     return {key: on_accelerator(value) for key, value in batch.items()}
+
+
+def _pipeline_loop(plan, model, batches, record):
+    """A PipelineModule of the token model's layers, one stage per rank, trained by train_batch (GA micro-batches of
+    one stream per call, as a pipeline user feeds it); each step recorded where PipelineEngine takes it
+    (_take_model_step: its step() refuses), then every stage's gradients and weights gathered into every rank's record
+    (the reference trains the whole model)."""
+    import deepspeed
+    import torch
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from dspatch.canary.model import optimizer_of, token_loss
+    from dspatch.canary.plan import steps_taken
+
+    _record_steps_of(PipelineEngine, "_take_model_step")
+    module = PipelineModule(layers=list(model), num_stages=plan["stages"], loss_fn=token_loss,
+                            partition_method="uniform")
+    params = [{"params": [p for p in module.parameters() if p.requires_grad], "lr": plan["lrs"][0]}]
+    client = None if plan["config"].get("optimizer") else optimizer_of(plan, params)
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=params, optimizer=client, config=plan["config"])
+    stream = iter([(_on(b)["input_ids"], _on(b)["labels"]) for _ in range(plan["epochs"]) for b in batches])
+    for _ in range(steps_taken("pipeline", plan["per_epoch"], plan["accumulation"], plan["epochs"])):
+        record.loss(engine.train_batch(data_iter=stream))
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, (names, record.steps))
+    record.stages = [stage_names for stage_names, _ in every]
+    for number, step in enumerate(record.steps):
+        for _, steps in every:
+            step["gradient"].update(steps[number]["gradient"])
+            step["weights"].update(steps[number]["weights"])
+    return engine
 
 
 def _every_ranks(plan, batches):
@@ -197,6 +236,7 @@ def _trainer_loop(plan, model, batches, record):
 class Record:
     def __init__(self):
         self.steps, self.losses, self.error = [], [], None
+        self.stages = None  # a pipeline's: the parameter names of each stage
 
     def loss(self, loss):
         self.losses.append(loss.item())
@@ -207,7 +247,8 @@ class Record:
 
     def as_dict(self, applied):
         """What `dspatch canary` reads of a run: its steps, losses, error, and the patches in force (`applied`)."""
-        return {"steps": self.steps, "losses": self.losses, "error": self.error, "applied": applied}
+        return {"steps": self.steps, "losses": self.losses, "error": self.error, "applied": applied,
+                "stages": self.stages}
 
     def logged(self, norms, losses):
         for step, norm, loss in zip(self.steps, norms, losses):
@@ -215,7 +256,7 @@ class Record:
             step["logged_loss"] = float(loss)
 
 
-LOOPS = {"engine": _engine_loop, "accelerate": _accelerate_loop, "trainer": _trainer_loop}
+LOOPS = {"engine": _engine_loop, "accelerate": _accelerate_loop, "trainer": _trainer_loop, "pipeline": _pipeline_loop}
 
 
 def run(plan):
@@ -229,7 +270,8 @@ def run(plan):
     try:
         init_deepspeed()
         instrument(record)
-        LOOPS[plan["loop"]](plan, build(plan), micro_batches(plan, torch.distributed.get_rank()), record)
+        rank = 0 if plan["loop"] == "pipeline" else torch.distributed.get_rank()  # a pipeline's stages share its data
+        LOOPS[plan["loop"]](plan, build(plan), micro_batches(plan, rank), record)
     except Exception as e:  # a run that crashes is reported as such, with the error, not as a divergence
         record.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     return record

@@ -69,6 +69,26 @@ def gradient_shape(got, want, parts, earlier, ga, tol):
     return "other", f"{_off(got, want):.3g} of the reference's norm apart"
 
 
+def stage_shape(got, want, stages, ga, tol):
+    """A pipeline's gradient whose last stage is right and each earlier stage 1/GA of the reference per later stage
+    (("stage_divided", words)), or None. `got`, `want`: {name: gradient}; `stages`: each stage's names."""
+    if ga < 2 or len(stages) < 2:
+        return None
+    found = []
+    for names in stages:
+        mine, theirs = _flat(got, names), _flat(want, names)
+        ratio = float(mine.dot(theirs) / theirs.dot(theirs)) if float(theirs.norm()) else 0.0
+        if _off(mine, ratio * theirs) > max(tol, 1e-4):
+            return None
+        found.append(ratio)
+    for later, ratio in enumerate(reversed(found)):
+        if abs(ratio - ga ** -later) > 1e-3 * ga ** -later:
+            return None
+    earlier = f"1/{ga} of the reference on the stage before it" + \
+        (f", 1/{ga}^k k stages before it" if len(stages) > 2 else "")
+    return "stage_divided", f"right on the last pipeline stage, {earlier}: divided by GA again for each later stage"
+
+
 def _rates_shape(got, want):
     if len(want) > 1 and all(abs(g - got[0]) <= 1e-12 + 1e-9 * abs(got[0]) for g in got) and got[0] != want[1]:
         return "lr_groups", "every param group at group 0's rate"
@@ -101,8 +121,9 @@ def compare(plan, got, want, start):
     if len(got["steps"]) != want["count"]:
         from dspatch.canary.plan import steps_taken
 
-        if plan["ranks"] > 1 and len(got["steps"]) == steps_taken(plan["loop"], plan["per_epoch"] * plan["ranks"],
-                                                                  plan["accumulation"], plan["epochs"]):
+        ranks = plan.get("data_ranks", plan["ranks"])
+        if ranks > 1 and len(got["steps"]) == steps_taken(plan["loop"], plan["per_epoch"] * ranks, plan["accumulation"],
+                                                          plan["epochs"]):
             return {"step": min(len(got["steps"]), want["count"]) + 1, "what": "steps", "code": "unsharded",
                     "words": f"DeepSpeed took {len(got['steps'])} optimizer steps where the loop means "
                              f"{want['count']}: as many as one rank takes over every rank's micro-batches (the data "
@@ -121,12 +142,13 @@ def compare(plan, got, want, start):
         if len(rates) != len(expected) or any(abs(a - b) > 1e-12 + 1e-6 * abs(b) for a, b in zip(rates, expected)):
             code, words = _rates_shape(rates, expected)
             return {"step": number, "what": "learning rate", "code": code, "words": words}
-        applied = _flat({n: (mine["gradient"].get(n) if mine["gradient"].get(n) is not None
-                             else theirs["gradient"][n] * 0) for n in names}, names)
-        wanted = _flat(theirs["gradient"], names)
+        given = {n: (mine["gradient"].get(n) if mine["gradient"].get(n) is not None else theirs["gradient"][n] * 0)
+                 for n in names}
+        applied, wanted = _flat(given, names), _flat(theirs["gradient"], names)
         if _off(applied, wanted) > tol:
             parts = [_flat(part, names) for part in theirs["parts"]]
-            code, words = gradient_shape(applied, wanted, parts, earlier, plan["accumulation"], tol)
+            code, words = stage_shape(given, theirs["gradient"], got.get("stages") or [], plan["accumulation"], tol) or \
+                gradient_shape(applied, wanted, parts, earlier, plan["accumulation"], tol)
             return {"step": number, "what": "gradient", "code": code, "words": f"the gradient is {words}"}
         after, predicted = _flat(mine["weights"], names), _flat(theirs["weights"], names)
         moved = after - before

@@ -44,7 +44,7 @@ PATCH = Patch(
     summary=("a pipeline of two or more stages divides each stage's gradient by the gradient accumulation steps once, "
              "not once per later stage (silent)"),
     cause="Each pipeline stage divides the gradient by GA again for every later stage",
-    canary=('divided_twice',),
+    canary=('stage_divided',),  # dspatch canary --loop pipeline
     symptom="earlier pipeline stages' gradients silently GA times too small per later stage",
     distribution="deepspeed",
     affected=">=0.18.3,<0.19.3",
