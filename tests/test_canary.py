@@ -134,6 +134,10 @@ CASES = {
                                         "stage_divided"),
     "deepspeed/grad-accum-scale-no-allreduce": (["--loop", "pipeline", "--ga", "3"],
                                                 {"zero_optimization": {"stage": 1}}, "not_divided"),
+    # found by the canary: a ZeRO-0 fp32 pipeline clipped by the first stage's norm
+    "deepspeed/pipe-clip-norm-stages": (["--loop", "pipeline"], {
+        "zero_optimization": {"stage": 0}, "gradient_clipping": 0.5,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}}}, "clipping"),
 }
 ALSO_OUT = {"deepspeed/backward-scale-wrt-gas": ["deepspeed/output-hooks-gas-per-tensor"]}
 

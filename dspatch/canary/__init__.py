@@ -150,6 +150,26 @@ def in_process(config, **options):
     return record, judge(the_plan, record.as_dict([]))
 
 
+def in_ranks(config, **options):
+    """One comparison of a job of several ranks, as a reproducer runs it: the ranks launched from this process
+    (dspatch.ranks.launch_ranks: with exactly the patches in force here); (the plan, the runner's record, the first
+    divergence or None)."""
+    import tempfile
+
+    import torch
+
+    from dspatch.ranks import launch_ranks
+
+    the_plan = build_plan(config, default_options(**options))
+    with tempfile.TemporaryDirectory(prefix="dspatch-canary-") as folder:
+        plan_path, out = os.path.join(folder, "plan.json"), os.path.join(folder, "record.pt")
+        with open(plan_path, "w", encoding="utf-8") as f:
+            json.dump(the_plan, f)
+        launch_ranks("dspatch.canary.runner", args=(plan_path, out), nproc=the_plan["ranks"])
+        record = torch.load(out, weights_only=False)
+    return the_plan, record, judge(the_plan, record)
+
+
 def expect_shape(found, code, what):
     """A reproducer's reading of one comparison: BugSeen(what: step, words) where the first divergence has the bug's
     shape `code`, AssertionError for any other, None where the run trains as the reference."""

@@ -300,4 +300,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4:  # a rank of dspatch.ranks.launch_ranks (a reproducer's job): FOLDER PLANS OUT
+        main(sys.argv[2:])
+        from dspatch.ranks import finish_rank
+
+        finish_rank(sys.argv[1], {})
     sys.exit(main(sys.argv[1:]))
