@@ -14,10 +14,11 @@ The fix is 0.19.3's: on a pipeline stage that is not the last, the output hooks 
 divided on the last stage). One-stage pipelines, the last stage and every other engine run stock's code.
 
 Proven by numbers on deepspeed 0.18.3 (the ds0183 session) and 0.19.2's released source, 2 ranks (gloo, forked as
-torchrun would start them): a 2-stage `PipelineModule` at ZeRO-1, accumulation 3, two SGD steps of `train_batch`,
-ends with plain torch's weights on both stages; stock's last stage has them and its first stage has plain torch's
-with that stage's gradient divided by 3 again. (ZeRO-0 pipelines of 2+ stages stop at once on 0.18.3 with "Direct
-calls to tensor.backward() are not supported", a failure of its own, not this bug.)
+torchrun would start them), by `dspatch canary`'s comparison: a 2-stage `PipelineModule` of its token model at ZeRO-1,
+accumulation 3, SGD, `train_batch` over two epochs: every step's gradient and update are plain torch's on both
+stages; stock's last stage has plain torch's gradient and its first stage plain torch's divided by 3 again. (ZeRO-0
+pipelines of 2+ stages stop at once on 0.18.3 with "Direct calls to tensor.backward() are not supported", a failure
+of its own, not this bug.)
 """
 from dspatch.spec import Patch
 

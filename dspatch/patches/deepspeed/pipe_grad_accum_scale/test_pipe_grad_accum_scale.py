@@ -13,10 +13,12 @@ RUNS = r'''
 import json
 from dspatch import _runtime
 from dspatch.patches.deepspeed.grad_accum_scale_no_allreduce.reproducers import pipeline_weights
-from dspatch.patches.deepspeed.pipe_grad_accum_scale.reproducers import stage_weights
+from dspatch.patches.deepspeed.pipe_grad_accum_scale.reproducers import pipeline_run
 from dspatch.scenario import digest
 
-runs = {"one_stage": pipeline_weights(), "two_stages_ga1": stage_weights(accumulation=1)[0]}
+_, record, _ = pipeline_run(accumulation=1)
+last = record["steps"][-1]["weights"]
+runs = {"one_stage": pipeline_weights(), "two_stages_ga1": {name: last[name] for name in sorted(last)}}
 print(json.dumps({"applied": _runtime.applied_ids(), **{name: digest(w) for name, w in runs.items()}}))
 '''
 
