@@ -504,7 +504,7 @@ def test_the_patches_imports_are_plain_imports_of_files():
                 if target != here:
                     graph.setdefault(here, set()).add(target)
 
-    assert sum(map(len, graph.values())) >= 8, graph  # the patches do share code: the graph is there to read
+    assert sum(map(len, graph.values())) >= 5, graph  # the patches do share code (fewer as dspatch.canary serves them)
     assert not import_cycles(graph), graph
 
 
