@@ -64,6 +64,26 @@ def test_without_the_stack_it_says_what_is_missing(tmp_path):
 
 
 @pytest.mark.unit_only
+def test_known_bugs_are_named_by_loop_and_shared_shapes_hedged():
+    """A shape names only the bugs of the libraries the loop runs (the Trainer's clipping bug is no candidate for a
+    pipeline); where several bugs have the shape, DSPATCH=1 fixes it "if it is this one"."""
+    from dspatch.canary import _lines, known_for
+
+    clipping = {"code": "clipping"}
+    assert "transformers/deepspeed-max-grad-norm" in [b["id"] for b in known_for(clipping, {}, "trainer")]
+    assert [b["id"] for b in known_for(clipping, {}, "pipeline")] == ["deepspeed/pipe-clip-norm-stages"]
+    plan = {"loop": "engine", "stage": 2, "accumulation": 3, "precision": "fp32", "ranks": 1, "offloaded": False,
+            "lrs": [0.05], "backwards": 2, "boundary_call": False, "epochs": 2, "per_epoch": 7}
+    candidates = [{"id": pid, "here": "applies", "applied": False, "fixes": True}
+                  for pid in ("deepspeed/zero12-backward-twice", "deepspeed/zero12-offload-backward-twice")]
+    found = {"step": 1, "what": "gradient", "code": "last_only", "words": "the gradient is ...", "known": candidates}
+    text = "\n".join(_lines("ds.json", plan, [("stock", found, [])], 1e-5))
+    assert text.count("DSPATCH=1 fixes it here, if it is this one") == 2, text
+    alone = "\n".join(_lines("ds.json", plan, [("stock", {**found, "known": candidates[:1]}, [])], 1e-5))
+    assert "DSPATCH=1 fixes it here)" in alone, alone
+
+
+@pytest.mark.unit_only
 def test_the_schedules_by_their_definitions():
     from dspatch.canary.schedules import deepspeed_betas, deepspeed_rates
 

@@ -237,9 +237,11 @@ def _lines(config_path, the_plan, results, tol):
         if found["code"] == "crash":
             out += ["    " + line for line in found.get("error", "").strip().splitlines()[-6:]]
         if found["known"]:
+            # several bugs of one shape: each is a candidate, and DSPATCH=1 fixes the divergence only if it is one
+            maybe = ", if it is this one" if len(found["known"]) > 1 else ""
             for bug in found["known"]:
                 state = ("applied in this run, and it still diverges: please report it" if bug["applied"] else
-                         "DSPATCH=1 fixes it here" if bug["fixes"] else f"{bug['here']} here")
+                         f"DSPATCH=1 fixes it here{maybe}" if bug["fixes"] else f"{bug['here']} here")
                 out.append(f"  a known bug of this shape: {bug['id']} ({state})")
         else:
             out.append("  no known bug has this shape: a new bug, or something the reference does not model (say so "
