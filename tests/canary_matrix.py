@@ -11,7 +11,7 @@ FULL = ("latest",)
 
 def configurations(loop):
     """[(label, plan)] of the matrix: ZeRO 0-3 x GA 1/3 x fp32/bf16 x CPU offload (ZeRO 1-3) x clipping, for one loop
-    (a sample of it off the latest stack)."""
+    (a sample of it off the latest stack); the engine loop also with two backwards a step in bf16."""
     from dspatch.canary.plan import build_plan, default_options
 
     found = []
@@ -30,6 +30,10 @@ def configurations(loop):
         options = default_options(loop=loop, accumulation=ga, precision=precision, max_grad_norm=0.5 if clip else 0.0)
         found.append((f"ZeRO-{stage} GA {ga} {precision}{' offload' if offload else ''}"
                       f"{' clip' if clip else ''}", build_plan(config, options)))
+    if loop == "engine" and STACK in FULL:  # two backwards a step in bf16: the tolerance's worst case measured
+        found += [(f"ZeRO-{stage} bf16, 2 backwards a step", build_plan(
+            {"zero_optimization": {"stage": stage}}, default_options(precision="bf16", backwards=2)))
+            for stage in (0, 1, 2, 3)]
     return found
 
 
