@@ -65,13 +65,16 @@ def test_without_the_stack_it_says_what_is_missing(tmp_path):
 
 @pytest.mark.unit_only
 def test_known_bugs_are_named_by_loop_and_shared_shapes_hedged():
-    """A shape names only the bugs of the libraries the loop runs (the Trainer's clipping bug is no candidate for a
-    pipeline); where several bugs have the shape, DSPATCH=1 fixes it "if it is this one"."""
+    """A shape names only the bugs of the libraries the loop runs (the Trainer's clipping bug is no candidate for the
+    engine, accelerate or a pipeline, and a pipeline's clipping is a shape of its own); where several bugs have the
+    shape, DSPATCH=1 fixes it "if it is this one"."""
     from dspatch.canary import _lines, known_for
 
-    clipping = {"code": "clipping"}
-    assert "transformers/deepspeed-max-grad-norm" in [b["id"] for b in known_for(clipping, {}, "trainer")]
-    assert [b["id"] for b in known_for(clipping, {}, "pipeline")] == ["deepspeed/pipe-clip-norm-stages"]
+    clipping, on_a_pipeline = {"code": "clipping"}, {"code": "stage_clipping"}
+    assert [b["id"] for b in known_for(clipping, {}, "trainer")] == ["transformers/deepspeed-max-grad-norm"]
+    for loop in ("engine", "accelerate", "pipeline"):  # the Trainer's bug; the pipeline's has a shape of its own
+        assert known_for(clipping, {}, loop) == [], loop
+    assert [b["id"] for b in known_for(on_a_pipeline, {}, "pipeline")] == ["deepspeed/pipe-clip-norm-stages"]
     plan = {"loop": "engine", "stage": 2, "accumulation": 3, "precision": "fp32", "ranks": 1, "offloaded": False,
             "lrs": [0.05], "backwards": 2, "boundary_call": False, "epochs": 2, "per_epoch": 7}
     candidates = [{"id": pid, "here": "applies", "applied": False, "fixes": True}
@@ -81,6 +84,10 @@ def test_known_bugs_are_named_by_loop_and_shared_shapes_hedged():
     assert text.count("DSPATCH=1 fixes it here, if it is this one") == 2, text
     alone = "\n".join(_lines("ds.json", plan, [("stock", {**found, "known": candidates[:1]}, [])], 1e-5))
     assert "DSPATCH=1 fixes it here)" in alone, alone
+    # a candidate applied in the run beside one that is not: not this one, nothing to report
+    mixed = [{**candidates[0], "applied": True}, candidates[1]]
+    text = "\n".join(_lines("ds.json", plan, [("DSPATCH=1", {**found, "known": mixed}, [])], 1e-5))
+    assert "applied in this run: not this one" in text and "please report" not in text, text
 
 
 @pytest.mark.unit_only
@@ -157,7 +164,7 @@ CASES = {
     # found by the canary: a ZeRO-0 fp32 pipeline clipped by the first stage's norm
     "deepspeed/pipe-clip-norm-stages": (["--loop", "pipeline"], {
         "zero_optimization": {"stage": 0}, "gradient_clipping": 0.5,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.05}}}, "clipping"),
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05}}}, "stage_clipping"),
 }
 ALSO_OUT = {"deepspeed/backward-scale-wrt-gas": ["deepspeed/output-hooks-gas-per-tensor"]}
 
@@ -242,6 +249,11 @@ def test_the_report_a_user_reads(tmp_path):
     crash = canary(tmp_path, {"zero_optimization": {"stage": 2}, "train_batch_size": 3,
                               "train_micro_batch_size_per_gpu": 2})
     assert crash.returncode == 1 and "CRASHED" in crash.stdout, crash.stdout[-2000:]
+    # two ranks: a rank whose run fails stops the job and its error is the one reported, not a timeout
+    pipeline = canary(tmp_path, {"zero_optimization": {"stage": 1}, "train_batch_size": 3,
+                                 "train_micro_batch_size_per_gpu": 2}, "--loop", "pipeline")
+    assert pipeline.returncode == 1 and "CRASHED" in pipeline.stdout, pipeline.stdout[-2000:]
+    assert "train_batch_size" in pipeline.stdout and "without a record" not in pipeline.stdout, pipeline.stdout
 
 
 @pytest.mark.stack

@@ -78,13 +78,33 @@ def _options(args):
                            backwards=args.backwards, boundary_call=args.boundary_call)
 
 
-TIMEOUT = 600  # seconds per plan: a default run takes under 60 s on 2 cores
+TIMEOUT = 900  # seconds for one DeepSpeed interpreter or job: a default run takes under 60 s on 2 cores, the tests'
+# longest list of plans about 100 s
+
+
+def _run_job(command, env):
+    """(stderr, how it ended) of the DeepSpeed side's command; past TIMEOUT, torchrun is asked to stop (SIGTERM, which
+    it passes to its ranks: they run in sessions of their own, out of reach of a kill of its group), then killed."""
+    import subprocess
+
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=TIMEOUT)
+        return stderr, f"exited {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            _, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+        return stderr or "", f"did not finish in {TIMEOUT} s"
 
 
 def deepspeed_side(plans, env):
     """The runner's records of DeepSpeed runs under `env` (one plan, or a list run in turn in one interpreter; two
     ranks under torchrun where the plans say)."""
-    import subprocess
+    import glob
     import tempfile
 
     import torch
@@ -102,16 +122,16 @@ def deepspeed_side(plans, env):
                        "--master_port", free_port(), "-m", "dspatch.canary.runner", plan_path, out]
         else:
             command = [sys.executable, "-m", "dspatch.canary.runner", plan_path, out]
-        try:
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT * len(
-                plans if many else [plans]))
-            why, stderr = f"exited {proc.returncode}", proc.stderr
-        except subprocess.TimeoutExpired as e:  # a rank that failed leaves the other waiting in a collective
-            stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            why = f"did not finish in {e.timeout:.0f} s"
+        stderr, why = _run_job(command, env)
         if not os.path.exists(out):
-            failed = {"steps": [], "losses": [], "applied": [],
-                      "error": f"the DeepSpeed run {why} without a record:\n{stderr[-4000:]}"}
+            # a rank whose run failed wrote its error beside the record (dspatch.canary.runner._stop_the_job)
+            errors = sorted(glob.glob(f"{out}.rank*.error"))
+            if errors:
+                with open(errors[0], encoding="utf-8") as f:
+                    error = f.read()
+            else:
+                error = f"the DeepSpeed run {why} without a record:\n{stderr[-4000:]}"
+            failed = {"steps": [], "losses": [], "applied": [], "error": error}
             return [failed] * len(plans) if many else failed
         return torch.load(out, weights_only=False)
 
@@ -239,8 +259,10 @@ def _lines(config_path, the_plan, results, tol):
         if found["known"]:
             # several bugs of one shape: each is a candidate, and DSPATCH=1 fixes the divergence only if it is one
             maybe = ", if it is this one" if len(found["known"]) > 1 else ""
+            others = any(b["fixes"] and not b["applied"] for b in found["known"])
             for bug in found["known"]:
-                state = ("applied in this run, and it still diverges: please report it" if bug["applied"] else
+                state = (("applied in this run: not this one" if others else
+                          "applied in this run, and it still diverges: please report it") if bug["applied"] else
                          f"DSPATCH=1 fixes it here{maybe}" if bug["fixes"] else f"{bug['here']} here")
                 out.append(f"  a known bug of this shape: {bug['id']} ({state})")
         else:

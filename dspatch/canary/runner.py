@@ -277,6 +277,20 @@ def run(plan):
     return record
 
 
+def _stop_the_job(out, error):
+    """A rank whose run failed: its peers wait for it in a collective (a pipeline's stages run different code, so one
+    may fail alone). Its error goes to OUT.rankN.error for the command to report, and the rank exits at once, which
+    makes torchrun (or launch_ranks) stop the others."""
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    with open(f"{out}.rank{rank}.error", "w", encoding="utf-8") as f:
+        f.write(error)
+    sys.stderr.write(error)
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def main(argv):
     """One process: `python -m dspatch.canary.runner PLANS OUT`; the ranks of a job (under torchrun) alike, rank 0
     writing OUT. PLANS holds one plan or a list of them (run in turn in this process: the tests' matrices); OUT gets
@@ -290,6 +304,8 @@ def main(argv):
     records = []
     for one in plans if isinstance(plans, list) else [plans]:
         record = run(one)
+        if record.error and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            _stop_the_job(argv[1], record.error)
         records.append(record.as_dict(_runtime.applied_ids()))
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         torch.save(records if isinstance(plans, list) else records[0], argv[1])

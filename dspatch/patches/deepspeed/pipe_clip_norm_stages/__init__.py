@@ -7,16 +7,17 @@ A silent one, found by the canary's pipeline loop (no upstream report found). `D
 clip_fp32_gradients` calls `deepspeed.runtime.utils.clip_grad_norm_` with the engine's `mpu`; for a pipeline that is
 its `PipelineParallelGrid`, whose "model-parallel" group is the pipeline's stages (times the tensor slices). To count a
 replicated tensor once, `clip_grad_norm_` counts a gradient only where `mpu.get_model_parallel_rank() == 0` or the
-parameter is tensor-parallel, then sums over that group: on a pipeline only the first stage's gradients count. Every
-stage then clips by max_norm / |first stage's gradients|. The same module's `get_weight_norm` and
-`get_grad_zeros` already ask the right questions: the tensor-parallel rank (`bwc_tensor_model_parallel_rank`), and a
-parameter a pipeline ties across stages counted on its first owner only (`ds_pipe_replicated`). From 0.19.3, which
-clips at 1.0 where the config sets no `gradient_clipping`, a ZeRO-0 fp32 pipeline meets it without asking for
-clipping. bf16 (BF16_Optimizer) and ZeRO-1 compute their norms elsewhere, across the stages, and are right.
+parameter is tensor-parallel, then sums over that group: on a pipeline only the first stage's gradients count (with
+tensor parallelism, the later stages' tensor-parallel ones too, not their replicated ones). Every stage then clips by
+max_norm / |first stage's gradients|. The same module's `get_weight_norm` and `get_grad_zeros` already ask the right
+questions: the tensor-parallel rank (`bwc_tensor_model_parallel_rank`), and a parameter a pipeline ties across stages
+counted on its first owner only (`ds_pipe_replicated`). From 0.19.3, which clips at 1.0 where the config sets no
+`gradient_clipping`, a ZeRO-0 fp32 pipeline meets it without asking for clipping. bf16 (BF16_Optimizer) and ZeRO-1 compute their norms elsewhere, across the stages, and are right.
 
-The fix asks `clip_grad_norm_` those two questions instead of the model-parallel rank, rebuilt from the installed
-source. Without an `mpu` (no pipeline, no tensor parallelism) that line never runs: stock's code, bit for bit; a
-one-stage pipeline, and Megatron's mpu of the old convention, give the same ranks as before.
+The fix asks `clip_grad_norm_` those two questions instead of the model-parallel rank (the rank once, before the loop,
+as its siblings do), rebuilt from the installed source. Without an `mpu` (no pipeline, no tensor parallelism) the rank
+is 0 and the test never runs: stock's numbers, bit for bit; a one-stage pipeline, AutoTP's groups, and Megatron's mpu
+of the old convention give the same ranks as before.
 
 Proven by numbers on the old, bridge, mid and latest stacks (0.14.4, 0.16.9, 0.16.3, 0.19.8): `dspatch canary`'s
 comparison of a 2-stage `PipelineModule` at ZeRO-0 in fp32 on 2 ranks, SGD, `gradient_clipping` 0.5: stock's first
@@ -30,20 +31,30 @@ UTILS = "deepspeed.runtime.utils"
 TARGETS = (Target(UTILS, "clip_grad_norm_", {"10153c5028cf7663": "0.14.4-0.19.6", "953145e8fab53364": "0.19.7-0.19.8"}),)
 
 FIRST_RANK_ONLY = "mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)"
-ONCE_PER_TENSOR = ("(bwc_tensor_model_parallel_rank(mpu) == 0 or is_model_parallel_parameter(p)) and "
-                   "not getattr(p, PIPE_REPLICATED, False)")
+RANK_ONCE = "tensor_mp_rank = bwc_tensor_model_parallel_rank(mpu=mpu)"  # asked once, before the loop, as its siblings
+ONCE_PER_TENSOR = "(tensor_mp_rank == 0 or is_model_parallel_parameter(p)) and not getattr(p, PIPE_REPLICATED, False)"
 
 
 def count_every_stage(definition):
-    """Transform: `if mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p):` in the norm's loop
-    becomes the tensor-parallel rank's test, a pipeline's tied copies counted once."""
+    """Transform: before the norm's loop over the parameters, the tensor-parallel rank; in it, `if
+    mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p):` becomes that rank's test, a pipeline's
+    tied copies counted once."""
     import ast
 
-    from dspatch.rewrite import expression, find_one
+    from dspatch.rewrite import RewriteError, expression, find_one, statement
 
     test = find_one(definition, lambda node: isinstance(node, ast.If) and ast.unparse(node.test) == FIRST_RANK_ONLY,
                     "the test that counts a gradient on model-parallel rank 0")
+    loop = find_one(definition, lambda node: isinstance(node, ast.For) and any(n is test for n in ast.walk(node)),
+                    "the loop over the parameters around that test")
     test.test = expression(ONCE_PER_TENSOR, test)
+    for node in ast.walk(definition):
+        for field in ("body", "orelse"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and any(item is loop for item in block):
+                block.insert(block.index(loop), statement(RANK_ONCE, loop))
+                return
+    raise RewriteError(f"{definition.name}: the loop over the parameters is in no block")
 
 
 def apply(txn):
@@ -55,7 +66,7 @@ PATCH = Patch(
     summary=("a pipeline's fp32 gradient clipping (ZeRO-0) takes the norm of every stage's gradients, not the first "
              "stage's only (silent)"),
     cause="clip_grad_norm_ counts gradients on model-parallel rank 0 only, and a pipeline's stages are that group",
-    canary=("clipping",),  # dspatch canary --loop pipeline with gradient_clipping at ZeRO-0 in fp32
+    canary=("stage_clipping",),  # dspatch canary --loop pipeline with gradient_clipping at ZeRO-0 in fp32
     symptom="a ZeRO-0 fp32 pipeline silently clips by the first stage's gradient norm, too little",
     distribution="deepspeed",
     affected=">=0.14.4",

@@ -44,7 +44,7 @@ def clipped_two_stages():
         raise AssertionError(f"the pipeline run failed: {record['error']}")
     if found is None:
         return
-    seen = clipped_by_the_first_stage(plan, record) if found["step"] == 1 and found["code"] == "clipping" else None
+    seen = clipped_by_the_first_stage(plan, record) if found["step"] == 1 and found["code"] == "stage_clipping" else None
     if seen:
         raise BugSeen(f"a 2-stage pipeline at ZeRO-0 clipped by the first stage's gradient norm: {seen[1]:.4g} where "
                       f"the model's is {seen[0]:.4g}")
