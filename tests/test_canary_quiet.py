@@ -1,4 +1,4 @@
-"""The quiet matrix of `dspatch canary`, raw engine and accelerate loops (tests/canary_matrix.py)."""
+"""The quiet matrix of `dspatch canary`, raw engine, accelerate and pipeline loops (tests/canary_matrix.py)."""
 import pytest
 
 from canary_matrix import quiet, quiet_pipeline, quiet_two_ranks

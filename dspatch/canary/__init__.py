@@ -101,6 +101,14 @@ def _run_job(command, env):
         return stderr or "", f"did not finish in {TIMEOUT} s"
 
 
+def _runner_files(folder, plans):
+    """(PLANS, OUT) of a dspatch.canary.runner job in `folder`: the plans written to PLANS, OUT where it saves."""
+    plan_path, out = os.path.join(folder, "plan.json"), os.path.join(folder, "record.pt")
+    with open(plan_path, "w", encoding="utf-8") as f:
+        json.dump(plans, f)
+    return plan_path, out
+
+
 def deepspeed_side(plans, env):
     """The runner's records of DeepSpeed runs under `env` (one plan, or a list run in turn in one interpreter; two
     ranks under torchrun where the plans say)."""
@@ -112,9 +120,7 @@ def deepspeed_side(plans, env):
     many = isinstance(plans, list)
     ranks = (plans[0] if many else plans)["ranks"]
     with tempfile.TemporaryDirectory(prefix="dspatch-canary-") as folder:
-        plan_path, out = os.path.join(folder, "plan.json"), os.path.join(folder, "record.pt")
-        with open(plan_path, "w", encoding="utf-8") as f:
-            json.dump(plans, f)
+        plan_path, out = _runner_files(folder, plans)
         if ranks > 1:
             from dspatch.scenario import free_port
 
@@ -182,9 +188,7 @@ def in_ranks(config, **options):
 
     the_plan = build_plan(config, default_options(**options))
     with tempfile.TemporaryDirectory(prefix="dspatch-canary-") as folder:
-        plan_path, out = os.path.join(folder, "plan.json"), os.path.join(folder, "record.pt")
-        with open(plan_path, "w", encoding="utf-8") as f:
-            json.dump(the_plan, f)
+        plan_path, out = _runner_files(folder, the_plan)
         launch_ranks("dspatch.canary.runner", args=(plan_path, out), nproc=the_plan["ranks"])
         record = torch.load(out, weights_only=False)
     return the_plan, record, judge(the_plan, record)

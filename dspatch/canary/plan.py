@@ -99,11 +99,11 @@ def _refuse_pipeline(config, options, stage):
     is one stage per rank (no data parallelism beside it), one param group, its own token model."""
     if stage not in (0, 1):
         return f"a pipeline trains at ZeRO-0 or 1 (DeepSpeed refuses ZeRO-{stage} with pipeline parallelism)"
-    if options.get("ranks", 2) < 2:
+    if options["ranks"] < 2:
         return "a pipeline of one stage is the engine loop: --loop pipeline runs 2 stages on --ranks 2"
-    if options.get("group_lrs"):
+    if options["group_lrs"]:
         return "--group-lrs with --loop pipeline is not modelled (one param group)"
-    if options.get("model", "llama") != "llama" or options.get("head", "causal") != "causal":
+    if options["model"] != "llama" or options["head"] != "causal":
         return "--loop pipeline trains its own token model (embedding, Linear-Tanh, head): no --model or --head"
     return None
 
@@ -170,8 +170,8 @@ def build_plan(config, options):
 
 def steps_taken(loop, per_epoch, ga, epochs=EPOCHS):
     """The optimizer steps a loop takes over `epochs` of `per_epoch` micro-batches at accumulation `ga`: the raw
-    engine loop steps where DeepSpeed's own count says, over the whole stream (a last partial window is never
-    applied); accelerate's `accumulate` and the Trainer end a window with each epoch."""
+    engine loop (and a pipeline's train_batch) steps where DeepSpeed's own count says, over the whole stream (a last
+    partial window is never applied); accelerate's `accumulate` and the Trainer end a window with each epoch."""
     if loop in ("engine", "pipeline") or (loop == "trainer" and version_of("transformers") < (4, 47)):  # the Trainer's own count
         return (epochs * per_epoch) // ga
     return epochs * -(-per_epoch // ga)

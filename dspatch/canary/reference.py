@@ -108,7 +108,7 @@ def replay(plan, got):
     optimizer = optimizer_of(plan, [{**group, "params": [by_tensor[id(p)] for p in group["params"]]}
                                     for group in groups(model, plan["lrs"])])
     # the data-parallel ranks' micro-batches (a pipeline's stages share one stream)
-    ranks = [micro_batches(plan, rank) for rank in range(plan.get("data_ranks", plan["ranks"]))]
+    ranks = [micro_batches(plan, rank) for rank in range(plan["data_ranks"])]
     plan_windows = windows(plan)
     table = rates(plan, len(plan_windows))
     moments = momentum(plan, len(plan_windows)) if "betas" in optimizer.defaults else None

@@ -131,7 +131,8 @@ def _pipeline_loop(plan, model, batches, record):
     params = [{"params": [p for p in module.parameters() if p.requires_grad], "lr": plan["lrs"][0]}]
     client = None if plan["config"].get("optimizer") else optimizer_of(plan, params)
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, optimizer=client, config=plan["config"])
-    stream = iter([(_on(b)["input_ids"], _on(b)["labels"]) for _ in range(plan["epochs"]) for b in batches])
+    batches = [_on(batch) for batch in batches]
+    stream = iter([(batch["input_ids"], batch["labels"]) for _ in range(plan["epochs"]) for batch in batches])
     for _ in range(steps_taken("pipeline", plan["per_epoch"], plan["accumulation"], plan["epochs"])):
         record.loss(engine.train_batch(data_iter=stream))
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad]

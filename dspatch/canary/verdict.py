@@ -41,14 +41,20 @@ def _off(got, want):
     return float((got - want).norm()) / scale
 
 
+def _scale(got, want, tol):
+    """The factor that makes `want` `got` (`got` is that multiple of `want` within the tolerance), or None."""
+    ratio = float(got.dot(want) / want.dot(want)) if float(want.norm()) else 0.0
+    return ratio if _off(got, ratio * want) <= max(tol, 1e-4) else None
+
+
 def gradient_shape(got, want, parts, earlier, ga, tol):
     """What a gradient that differs from the reference's is, in words (and a code for the known bugs' matching)."""
     import torch
 
     if not bool(torch.isfinite(got).all()):
         return "nan", "the gradient holds NaN or inf"
-    ratio = float(got.dot(want) / want.dot(want)) if float(want.norm()) else 0.0
-    if _off(got, ratio * want) <= max(tol, 1e-4) and ratio > 0:
+    ratio = _scale(got, want, tol)
+    if ratio is not None and ratio > 0:
         for factor, code, words in ((1 / ga, "divided_twice", f"1/{ga} of the reference: divided by GA twice"),
                                     (1 / ga ** 2, "divided_twice", f"1/{ga * ga} of the reference: divided by GA three "
                                      "times (two bugs at once)"),
@@ -81,9 +87,8 @@ def stage_shape(got, want, stages, ga, tol):
         return None
     found = []
     for names in stages:
-        mine, theirs = _flat(got, names), _flat(want, names)
-        ratio = float(mine.dot(theirs) / theirs.dot(theirs)) if float(theirs.norm()) else 0.0
-        if _off(mine, ratio * theirs) > max(tol, 1e-4):
+        ratio = _scale(_flat(got, names), _flat(want, names), tol)
+        if ratio is None:
             return None
         found.append(ratio)
     for later, ratio in enumerate(reversed(found)):
@@ -126,7 +131,7 @@ def compare(plan, got, want, start):
     if len(got["steps"]) != want["count"]:
         from dspatch.canary.plan import steps_taken
 
-        ranks = plan.get("data_ranks", plan["ranks"])
+        ranks = plan["data_ranks"]
         if ranks > 1 and len(got["steps"]) == steps_taken(plan["loop"], plan["per_epoch"] * ranks, plan["accumulation"],
                                                           plan["epochs"]):
             return {"step": min(len(got["steps"]), want["count"]) + 1, "what": "steps", "code": "unsharded",
