@@ -130,8 +130,9 @@ def deepspeed_side(plans, env):
             command = [sys.executable, "-m", "dspatch.canary.runner", plan_path, out]
         stderr, why = _run_job(command, env)
         if not os.path.exists(out):
-            # a rank whose run failed wrote its error beside the record (dspatch.canary.runner._stop_the_job)
-            errors = sorted(glob.glob(f"{out}.rank*.error"))
+            # a rank whose run failed wrote its error beside the record (dspatch.canary.runner._stop_the_job); the
+            # first written is the cause (a peer it left in a collective fails after it, "connection closed by peer")
+            errors = sorted(glob.glob(f"{out}.rank*.error"), key=os.path.getmtime)
             if errors:
                 with open(errors[0], encoding="utf-8") as f:
                     error = f.read()
