@@ -25,7 +25,7 @@ def canary(tmp_path, config, *args, env=None):
 @pytest.mark.unit_only
 @pytest.mark.parametrize("config,args,why", [
     ("{not json", [], "is not JSON"), ("[1, 2]", [], "not a DeepSpeed config"),
-    ({"fp16": {"enabled": True}}, [], "fp16 is not modelled"),
+    ({"fp16": {"enabled": True}}, ["--loop", "trainer"], "fp16 with --loop trainer is not modelled"),
     ({"optimizer": {"type": "Lamb"}}, [], "the optimizer 'Lamb' is not modelled"),
     ({"scheduler": {"type": "Cyclic"}}, [], "the scheduler 'Cyclic' is not modelled"),
     (Z2, ["--loop", "trainer", "--group-lrs", "0.1,0.01"], "--group-lrs with the Trainer is not modelled"),
@@ -51,7 +51,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, why, monkeypat
     path.write_text(config if isinstance(config, str) else json.dumps(config))
     args = canary.arguments(argparse.ArgumentParser()).parse_args([str(path), *args])
     with pytest.raises(canary.Unmodelled, match=why.replace("(", r"\(")):
-        canary.build_plan(canary.read(str(path)), canary._options(args))
+        config, facts = canary.read(str(path))
+        canary.build_plan(config, canary._options(args, facts))
 
 
 @pytest.mark.unit_only
@@ -75,18 +76,18 @@ def test_known_bugs_are_named_by_loop_and_shared_shapes_hedged():
     for loop in ("engine", "accelerate", "pipeline"):  # the Trainer's bug; the pipeline's has a shape of its own
         assert known_for(clipping, {}, loop) == [], loop
     assert [b["id"] for b in known_for(on_a_pipeline, {}, "pipeline")] == ["deepspeed/pipe-clip-norm-stages"]
-    plan = {"loop": "engine", "stage": 2, "accumulation": 3, "precision": "fp32", "ranks": 1, "offloaded": False,
+    plan = {"loop": "engine", "stage": 2, "micro": 1, "accumulation": 3, "precision": "fp32", "ranks": 1, "offloaded": False,
             "lrs": [0.05], "backwards": 2, "boundary_call": False, "epochs": 2, "per_epoch": 7}
     candidates = [{"id": pid, "here": "applies", "applied": False, "fixes": True}
                   for pid in ("deepspeed/zero12-backward-twice", "deepspeed/zero12-offload-backward-twice")]
     found = {"step": 1, "what": "gradient", "code": "last_only", "words": "the gradient is ...", "known": candidates}
-    text = "\n".join(_lines("ds.json", plan, [("stock", found, [])], 1e-5))
+    text = "\n".join(_lines("ds.json", plan, [("stock", found, [], None)], 1e-5))
     assert text.count("DSPATCH=1 fixes it here, if it is this one") == 2, text
-    alone = "\n".join(_lines("ds.json", plan, [("stock", {**found, "known": candidates[:1]}, [])], 1e-5))
+    alone = "\n".join(_lines("ds.json", plan, [("stock", {**found, "known": candidates[:1]}, [], None)], 1e-5))
     assert "DSPATCH=1 fixes it here)" in alone, alone
     # a candidate applied in the run beside one that is not: not this one, nothing to report
     mixed = [{**candidates[0], "applied": True}, candidates[1]]
-    text = "\n".join(_lines("ds.json", plan, [("DSPATCH=1", {**found, "known": mixed}, [])], 1e-5))
+    text = "\n".join(_lines("ds.json", plan, [("DSPATCH=1", {**found, "known": mixed}, [], None)], 1e-5))
     assert "applied in this run: not this one" in text and "please report" not in text, text
 
 
@@ -246,14 +247,19 @@ def test_the_report_a_user_reads(tmp_path):
     assert flat.startswith("dspatch canary ") and "engine loop, ZeRO-2, GA 2, fp32, 1 rank" in flat
     assert flat.count("trains as plain torch") == 2 and "DSPATCH unset (stock)" in flat
     assert all(len(line) <= 80 for line in lines), lines
-    crash = canary(tmp_path, {"zero_optimization": {"stage": 2}, "train_batch_size": 3,
-                              "train_micro_batch_size_per_gpu": 2})
+    # an optimizer torch refuses to build inside deepspeed.initialize: a crash in the stack's code, exit 1
+    broken = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9]}}}
+    crash = canary(tmp_path, {"zero_optimization": {"stage": 2}, **broken})
     assert crash.returncode == 1 and "CRASHED" in crash.stdout, crash.stdout[-2000:]
     # two ranks: a rank whose run fails stops the job and its error is the one reported, not a timeout
-    pipeline = canary(tmp_path, {"zero_optimization": {"stage": 1}, "train_batch_size": 3,
-                                 "train_micro_batch_size_per_gpu": 2}, "--loop", "pipeline")
+    pipeline = canary(tmp_path, {"zero_optimization": {"stage": 1}, **broken}, "--loop", "pipeline")
     assert pipeline.returncode == 1 and "CRASHED" in pipeline.stdout, pipeline.stdout[-2000:]
-    assert "train_batch_size" in pipeline.stdout and "without a record" not in pipeline.stdout, pipeline.stdout
+    assert "betas" in pipeline.stdout and "without a record" not in pipeline.stdout, pipeline.stdout
+    # a config DeepSpeed itself refuses (its batch sizes): exit 2, DeepSpeed's reason in one line
+    refused = canary(tmp_path, {"zero_optimization": {"stage": 2}, "train_batch_size": 3,
+                                "train_micro_batch_size_per_gpu": 2})
+    assert refused.returncode == 2 and "DeepSpeed refuses this config" in refused.stderr, refused
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
 
 
 @pytest.mark.stack

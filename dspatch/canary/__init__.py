@@ -18,11 +18,11 @@ from dspatch.canary.plan import HEADS, LOOPS, MODELS, Unmodelled, build_plan, de
 
 
 def arguments(parser):
-    parser.add_argument("config", metavar="CONFIG", help="your DeepSpeed config (JSON); \"auto\" values are filled as "
-                        "the Trainer fills them, from the options")
-    parser.add_argument("--loop", choices=LOOPS, default="engine", help="the loop you train with: the raw engine "
-                        "(default), an accelerate loop under accumulate, the Trainer, or a pipeline's train_batch "
-                        "(2 stages of a token model)")
+    parser.add_argument("config", metavar="CONFIG", help="your DeepSpeed config (JSON) or accelerate config (YAML); "
+                        "\"auto\" values are filled by the Trainer's own code, from the options")
+    parser.add_argument("--loop", choices=LOOPS, default=None, help="the loop you train with: the raw engine "
+                        "(default; accelerate's for a YAML file), an accelerate loop under accumulate, the Trainer, "
+                        "or a pipeline's train_batch (2 stages of a token model)")
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=None, help="1 or 2 gloo/NCCL ranks (default 1; "
                         "2 with --loop pipeline, one stage each)")
     parser.add_argument("--steps", type=int, default=0, metavar="N", help="compare the first N optimizer steps only "
@@ -31,14 +31,21 @@ def arguments(parser):
                         help="two param groups (the output head its own) at these rates")
     parser.add_argument("--ga", type=int, default=None, metavar="N",
                         help="gradient accumulation where the config says auto or nothing (default 1)")
-    parser.add_argument("--micro-batch", type=int, default=1, metavar="N", help="where the config says auto (1)")
-    parser.add_argument("--lr", type=float, default=0.05, help="the learning rate where the config says auto (0.05)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0,
-                        help="the Trainer's max_grad_norm (1.0, as TrainingArguments)")
-    parser.add_argument("--warmup-steps", type=int, default=0, help="warmup steps (auto schedulers, the Trainer's)")
-    parser.add_argument("--scheduler", default="constant", help="the Trainer's lr_scheduler_type where the config "
+    parser.add_argument("--micro-batch", type=int, default=None, metavar="N", help="where the config says auto (1)")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N", help="your job's number of ranks "
+                        "(default: the YAML's num_processes, else what train_batch_size implies, else 1)")
+    parser.add_argument("--model-params", type=float, default=None, metavar="N", help="your model's parameter "
+                        "count, to scale ZeRO's sizes to the tiny model (default 7e9)")
+    parser.add_argument("--lr", type=float, default=None, help="the learning rate where the config says auto (0.05)")
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="the Trainer's max_grad_norm (1.0, as TrainingArguments); fills gradient_clipping: auto")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="warmup steps (auto schedulers, the "
+                        "Trainer's; 0)")
+    parser.add_argument("--scheduler", default=None, help="the Trainer's lr_scheduler_type where the config "
                         "has no scheduler block (constant)")
     parser.add_argument("--bf16", action="store_true", help="bf16 where the config says auto")
+    parser.add_argument("--fp16", action="store_true", help="fp16 where the config says auto (its loss scaler "
+                        "modelled)")
     parser.add_argument("--model", choices=MODELS, default="llama", help="a tiny Llama (default) or a sparse "
                         "mixture of experts (Mixtral)")
     parser.add_argument("--head", choices=HEADS, default="causal", help="the Trainer's model head: causal LM "
@@ -55,7 +62,12 @@ def arguments(parser):
     return parser
 
 
-def _options(args):
+def _options(args, facts=None):
+    """The plan's options from the command line and what the file says of the job (an accelerate YAML's loop,
+    num_processes and mixed_precision): only the options given count as given (the Trainer's loop checks those
+    against the config)."""
+    facts = facts or {}
+    loop = args.loop or facts.get("loop") or "engine"
     rates = None
     if args.group_lrs:
         try:
@@ -64,18 +76,26 @@ def _options(args):
             raise Unmodelled(f"--group-lrs {args.group_lrs!r}: give two rates, as 0.01,0.001") from None
         if len(rates) != 2:
             raise Unmodelled(f"--group-lrs {args.group_lrs!r}: give two rates, as 0.01,0.001")
-        if args.loop == "trainer":
+        if loop == "trainer":
             raise Unmodelled("--group-lrs with the Trainer is not modelled (its optimizer makes its own groups)")
-    if args.backwards > 1 and args.loop != "engine":
+    if args.backwards > 1 and loop != "engine":
         raise Unmodelled("--backwards is a raw engine loop's shape (several engine.backward() before a step)")
     if args.boundary_call and args.backwards < 2:
         raise Unmodelled("--boundary-call marks the backwards of a step: give --backwards 2 or more")
-    ranks = args.ranks or (2 if args.loop == "pipeline" else 1)
-    return default_options(loop=args.loop, ranks=ranks, steps=args.steps, group_lrs=rates,
-                           micro_batch=args.micro_batch, accumulation=args.ga or 1, lr=args.lr,
-                           max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps, scheduler=args.scheduler,
-                           precision="bf16" if args.bf16 else "fp32", model=args.model, head=args.head,
-                           backwards=args.backwards, boundary_call=args.boundary_call)
+    for name in ("ga", "micro_batch", "world_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise Unmodelled(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number")
+    given = {name: value for name, value in (
+        ("micro_batch", args.micro_batch), ("accumulation", args.ga), ("lr", args.lr),
+        ("max_grad_norm", args.max_grad_norm), ("warmup_steps", args.warmup_steps), ("scheduler", args.scheduler),
+        ("world_size", args.world_size or facts.get("world_size")), ("model_params", args.model_params),
+        ("precision", "bf16" if args.bf16 else "fp16" if args.fp16 else facts.get("precision")))
+        if value is not None}
+    if args.bf16 and args.fp16:
+        raise Unmodelled("--bf16 and --fp16: give one")
+    ranks = args.ranks or (2 if loop == "pipeline" else 1)
+    return default_options(loop=loop, ranks=ranks, steps=args.steps, group_lrs=rates, model=args.model,
+                           head=args.head, backwards=args.backwards, boundary_call=args.boundary_call, **given)
 
 
 TIMEOUT = 900  # seconds for one DeepSpeed interpreter or job: a default run takes under 60 s on 2 cores, the tests'
@@ -164,6 +184,7 @@ def judge(the_plan, got):
         found = verdict.compare(the_plan, got, reference.replay(the_plan, got), reference.start(the_plan))
     if found:
         found["known"] = known_for(found, got, the_plan["loop"])
+        found["findings"] = [] if found["known"] else verdict.findings(found["code"])
     return found
 
 
@@ -234,11 +255,21 @@ def known_for(found, got, plan_loop="engine"):
     return named
 
 
+def skipped(the_plan, got):
+    """(steps skipped, steps compared, the last loss scale) of an fp16 run that skipped any, else None."""
+    steps = got.get("steps") or []
+    steps = steps[:the_plan.get("steps") or len(steps)]
+    count = sum(bool(step.get("skipped")) for step in steps)
+    return (count, len(steps), steps[-1].get("scale") or 1.0) if count else None
+
+
 def describe(the_plan):
     stage = the_plan["stage"]
     loop = f"pipeline of {the_plan['stages']} stages" if the_plan["loop"] == "pipeline" else f"{the_plan['loop']} loop"
-    bits = [loop, f"ZeRO-{stage}", f"GA {the_plan['accumulation']}", the_plan["precision"],
-            f"{the_plan['ranks']} rank{'s' * (the_plan['ranks'] > 1)}"]
+    bits = [loop, f"ZeRO-{stage}", f"micro batch {the_plan['micro']}", f"GA {the_plan['accumulation']}",
+            the_plan["precision"], f"{the_plan['ranks']} rank{'s' * (the_plan['ranks'] > 1)}"]
+    if the_plan.get("world_size", 1) > 1:
+        bits.append(f"for a job of {the_plan['world_size']}")
     if the_plan["offloaded"]:
         bits.append("optimizer offloaded to the CPU")
     if len(the_plan["lrs"]) > 1:
@@ -249,13 +280,42 @@ def describe(the_plan):
     return ", ".join(bits)
 
 
+def _filled(key, value, given):
+    """One filled "auto" value, as `lr 0.05 (--lr)`."""
+    from dspatch.canary.reading import source
+
+    parts = key.split(".")
+    name = ".".join(parts[-2:]) if parts[-1] == "enabled" else parts[-1]
+    return f"{name} {f'{value:g}' if isinstance(value, float) else value} ({source(key, given)})"
+
+
+def read_lines(the_plan):
+    """What the canary made of the file, a line each: the batch sizes it derived, the "auto" values the Trainer's
+    code filled and from what, the sizes it scaled to the tiny model, the steps it compares."""
+    read = the_plan.get("read") or {}
+    lines = [f"read: {', '.join(read['batch'])}"] if read.get("batch") else []
+    if read.get("filled"):
+        lines.append("\"auto\" filled by the Trainer's code: " + ", ".join(
+            _filled(key, value, the_plan.get("given") or ()) for key, value in read["filled"]))
+    if read.get("scaled"):
+        lines.append(f"scaled to the tiny model ({read.get('ratio', 'its size')}): " + ", ".join(
+            f"{key} {was:g} -> {now}" for key, was, now in read["scaled"]))
+    if the_plan.get("steps") and read.get("steps_why"):
+        lines.append(read["steps_why"])
+    return lines
+
+
 def _lines(config_path, the_plan, results, tol):
     out = [f"dspatch canary {config_path}: {describe(the_plan)}; {the_plan['epochs']} epochs of "
            f"{the_plan['per_epoch']} micro-batches"]
-    for label, found, applied in results:
+    out += ["  " + line for line in read_lines(the_plan)]
+    for label, found, applied, skips in results:
         out.append(f"{label}{f' ({len(applied)} patches applied in the run)' if applied else ''}:")
         if found is None:
             out.append(f"  trains as plain torch: every step's rates, gradient, update and reported norm within {tol:g}")
+            if skips:
+                out.append(f"  {skips[0]} of {skips[1]} steps skipped for an overflow, as the config's loss scaler "
+                           f"means (loss scale {skips[2]:g} at the end)")
             continue
         out.append(f"  {'CRASHED' if found['code'] == 'crash' else 'DIVERGES'} at optimizer step {found['step']} "
                    f"({found['what']}): {found['words']}")
@@ -270,6 +330,10 @@ def _lines(config_path, the_plan, results, tol):
                           "applied in this run, and it still diverges: please report it") if bug["applied"] else
                          f"DSPATCH=1 fixes it here{maybe}" if bug["fixes"] else f"{bug['here']} here")
                 out.append(f"  a known bug of this shape: {bug['id']} ({state})")
+        elif found.get("findings"):
+            out += [f"  a known upstream bug of this shape, not patched: {words}" for words in found["findings"]]
+        elif found["code"] == "crash":
+            out.append("  no known bug names this error (dspatch explain knows none)")
         else:
             out.append("  no known bug has this shape: a new bug, or something the reference does not model (say so "
                        "in an issue, with this output)")
@@ -287,20 +351,26 @@ def command(args, prog="dspatch canary"):
         print(f"{prog}: {', '.join(missing)} not installed for {sys.executable}: run it with the training "
               f"environment's Python", file=sys.stderr)
         return 2
+    import dspatch
+
+    # the reference is plain torch: no patch in this process (DeepSpeed runs in its own, with dspatch as the
+    # environment has it); the filling of "auto" is stock transformers' too
+    dspatch.revert()
     try:
-        config = read(args.config)
-        options = _options(args)
+        config, facts = read(args.config)
+        options = _options(args, facts)
         the_plan = build_plan(config, options)
     except Unmodelled as e:
         print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the canary's own set-up failed on this file: never a traceback, never a divergence
+        print(f"{prog}: the canary cannot model this: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
         return 2
     if args.device == "cuda" or (args.device == "auto" and os.environ.get("DS_ACCELERATOR") == "cuda"):
         print(f"{prog}: a GPU run is not modelled yet (the reference runs on the CPU): --device cpu", file=sys.stderr)
         return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import dspatch
-
-    dspatch.revert()  # the reference is plain torch: no patch in this process (DeepSpeed runs in its own)
     from dspatch.canary.runner import UNMODELLED
 
     results = []
@@ -309,14 +379,19 @@ def command(args, prog="dspatch canary"):
         if UNMODELLED in (got.get("error") or ""):
             print(f"{prog}: {got['error'].split(UNMODELLED, 1)[1].splitlines()[0]}", file=sys.stderr)
             return 2
-        results.append((label, judge(the_plan, got), got.get("applied", [])))
+        try:
+            results.append((label, judge(the_plan, got), got.get("applied", []), skipped(the_plan, got)))
+        except Exception as e:  # the reference failed: the canary's own, not the user's stack
+            print(f"{prog}: the canary cannot model this: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     tol = verdict.tolerance(the_plan)
     status = 1 if results[0][1] else 0
     if args.json:
         print(json.dumps({"config": args.config, "plan": {k: v for k, v in the_plan.items() if k != "config"},
                           "tolerance": tol, "exit": status,
-                          "runs": [{"environment": label, "applied": applied, "divergence": found}
-                                   for label, found, applied in results]}, indent=1, default=str))
+                          "runs": [{"environment": label, "applied": applied, "divergence": found,
+                                    "skipped": skips[0] if skips else 0}
+                                   for label, found, applied, skips in results]}, indent=1, default=str))
     else:
         term.out(_lines(args.config, the_plan, results, tol))
     return status

@@ -2,6 +2,7 @@
 hub), the same on both sides, bit for bit."""
 
 VOCAB, LENGTH, LABELS = 64, 8, 3
+HIDDEN = 16  # every model's hidden size: what the Trainer fills ZeRO's hidden-size "auto" values from
 
 
 def token_loss(logits, labels):
@@ -24,7 +25,7 @@ def _token_mlp():
         def forward(self, input_ids, labels):
             return types.SimpleNamespace(loss=token_loss(super().forward(input_ids), labels))
 
-    return TokenMLP(torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, 32), torch.nn.Tanh(),
+    return TokenMLP(torch.nn.Embedding(VOCAB, HIDDEN), torch.nn.Linear(HIDDEN, 32), torch.nn.Tanh(),
                     torch.nn.Linear(32, VOCAB))
 
 
@@ -37,16 +38,21 @@ def build(plan):
     if plan["model"] == "mlp":
         return _token_mlp()
     if plan["model"] == "moe":  # a sparse mixture of experts: four experts, two per token
-        config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+        config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32,
                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                             max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2)
         return transformers.MixtralForCausalLM(config)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                                       num_labels=LABELS, pad_token_id=0)
     head = {"causal": "LlamaForCausalLM", "sequence": "LlamaForSequenceClassification",
             "token": "LlamaForTokenClassification"}[plan["head"]]
     return getattr(transformers, head)(config)
+
+
+def parameter_count(model):
+    """How many parameters the tiny model `model` ("llama", "moe", "mlp") has: the scale of ZeRO's sizes."""
+    return sum(p.numel() for p in build({"model": model, "seed": 0, "head": "causal"}).parameters())
 
 
 def rows(plan, rank=0):

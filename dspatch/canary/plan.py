@@ -6,6 +6,9 @@ A plan is plain JSON (it crosses into the interpreter that runs DeepSpeed). Noth
 import json
 import os
 
+from dspatch.canary import reading
+from dspatch.canary.reading import Unmodelled  # noqa: F401 (the command's and the tests' name for it)
+
 LOOPS = ("engine", "accelerate", "trainer", "pipeline")
 HEADS = ("causal", "sequence", "token")
 MODELS = ("llama", "moe")
@@ -13,58 +16,29 @@ OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW"}  # DeepSpeed's nam
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 TRAINER_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 EPOCHS = 2
-
-
-class Unmodelled(ValueError):
-    """The config asks for something the reference does not model, or is not a DeepSpeed config: exit 2, said."""
+LARGE = 8  # micro-batches a step from which a run compares its first steps only unless --steps says otherwise
 
 
 def read(path):
-    """The user's DeepSpeed config (a JSON file), or Unmodelled saying why it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except OSError as e:
-        raise Unmodelled(f"cannot read {path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise Unmodelled(f"{path} is not JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise Unmodelled(f"{path} holds a JSON {type(config).__name__}, not a DeepSpeed config (an object)")
-    return config
+    """(the user's DeepSpeed config, what the file says of the job) of a JSON file or an accelerate YAML file, or
+    Unmodelled saying why it cannot be read (dspatch.canary.reading)."""
+    return reading.read(path)
 
 
-def _get(config, dotted, default=None):
-    node = config
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
-def _explicit(config, dotted):
-    value = _get(config, dotted)
-    return None if value in (None, "auto") else value
-
-
-def _set_auto(config, dotted, value):
-    """Fill `dotted` with `value` where the config says "auto" (as the Trainer and accelerate do)."""
-    *path, last = dotted.split(".")
-    node = config
-    for part in path:
-        node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            return
-    if node.get(last) == "auto":
-        node[last] = value
+_get, _explicit = reading.get, reading.explicit
 
 
 def _refuse(config, options):
     """Why this config and these options cannot be modelled, or None."""
     stage = _explicit(config, "zero_optimization.stage") or 0
-    if _get(config, "fp16.enabled") in (True, "auto") and options.get("precision") != "bf16":
-        if _get(config, "fp16.enabled") is True:
-            return "fp16 is not modelled (and DeepSpeed refuses it on the CPU): use bf16 or fp32"
+    fp16 = _get(config, "fp16.enabled")
+    if options.get("loop") == "trainer" and (fp16 is True or (fp16 in ("auto", None) and
+                                                             options.get("precision") == "fp16")):
+        return ("fp16 with --loop trainer is not modelled: TrainingArguments refuses fp16 without a GPU (the engine "
+                "and accelerate loops model it)")
+    if _get(config, "fp16.fp16_master_weights_and_grads") is True:
+        return ("fp16_master_weights_and_grads is not modelled: it needs DeepSpeedCPUAdam, a compiled op the canary "
+                "does not build (it trains with torch's Adam)")
     optimizer = _get(config, "optimizer.type")
     if optimizer is not None and str(optimizer).lower() not in OPTIMIZERS:
         return f"the optimizer {optimizer!r} is not modelled (SGD, Adam, AdamW are)"
@@ -108,64 +82,91 @@ def _refuse_pipeline(config, options, stage):
     return None
 
 
+def _precision(config, options):
+    """fp32, bf16 or fp16: what the config enables, or for "auto" (or no block) what the options say (--bf16,
+    --fp16, an accelerate YAML's mixed_precision); the option's block is added where the config has none."""
+    wanted = options.get("precision") or "fp32"
+    for name in ("bf16", "fp16"):
+        if _get(config, f"{name}.enabled") is True:  # what the config enables, whatever the options
+            return name
+    if wanted in ("bf16", "fp16") and wanted not in config and "bfloat16" not in config:
+        config[wanted] = {"enabled": True}
+    return wanted if _get(config, f"{wanted}.enabled") in (True, "auto") else "fp32"
+
+
 def build_plan(config, options):
-    """The run both sides train, from the user's config and the command's options. Raises Unmodelled."""
+    """The run both sides train, from the user's config and the command's options. Raises Unmodelled.
+
+    The config is read as the user's stack reads it (dspatch.canary.reading): the batch sizes for the user's world
+    size, ZeRO's sizes scaled to the tiny model, "auto" filled by the Trainer's own code."""
     config = json.loads(json.dumps(config))  # a copy the filling may edit
     why = _refuse(config, options)
     if why:
         raise Unmodelled(why)
-    micro = _explicit(config, "train_micro_batch_size_per_gpu") or options["micro_batch"]
-    ga = _explicit(config, "gradient_accumulation_steps") or options["accumulation"]
-    if not isinstance(micro, int) or not isinstance(ga, int) or micro < 1 or ga < 1:
-        raise Unmodelled(f"micro batch {micro!r} and accumulation {ga!r} must be positive integers")
-    lr = _explicit(config, "optimizer.params.lr") or options["lr"]
-    if options["precision"] == "bf16" and "bf16" not in config:  # --bf16 with a config that says nothing of it
-        config["bf16"] = {"enabled": True}
-    bf16 = _get(config, "bf16.enabled")
-    precision = "bf16" if bf16 is True or (bf16 == "auto" and options["precision"] == "bf16") else "fp32"
-    clip = _explicit(config, "gradient_clipping")
-    max_grad_norm = options["max_grad_norm"] if options["loop"] == "trainer" else None
-    per_epoch = 2 * ga + 1 if ga > 1 else 3  # the accumulation never divides an epoch: a last partial window
-    total = steps_taken(options["loop"], per_epoch, ga)
-    warmup = options["warmup_steps"]
-    # a config that leaves the batch out gets it as its loop's user passes it: the Trainer fills "auto" from
-    # TrainingArguments, the other loops from the options
-    pipeline = options["loop"] == "pipeline"
+    loop = options["loop"]
+    pipeline = loop == "pipeline"
     stages = options["ranks"] if pipeline else 1
     data_ranks = options["ranks"] // stages  # each stage a rank of its own: no data parallelism beside a pipeline
+    micro, ga, world, read_words = reading.batch(config, options, data_ranks)
     for dotted, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", ga)):
-        config.setdefault(dotted, "auto" if options["loop"] == "trainer" else value)
-    if options["loop"] != "trainer":  # the Trainer fills these itself, from TrainingArguments
-        for dotted, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", ga),
-                              ("train_batch_size", micro * ga * data_ranks), ("optimizer.params.lr", lr),
-                              ("scheduler.params.warmup_max_lr", lr), ("scheduler.params.warmup_min_lr", 0),
-                              ("scheduler.params.warmup_num_steps", max(1, warmup)),
-                              ("scheduler.params.total_num_steps", total), ("gradient_clipping", 0.0),
-                              ("bf16.enabled", precision == "bf16")):
-            _set_auto(config, dotted, value)
+        config.setdefault(dotted, "auto" if loop == "trainer" else value)
+    precision = _precision(config, options)
+    if precision == "fp16" and not (_explicit(config, "zero_optimization.stage") or 0):
+        raise Unmodelled("fp16 at ZeRO-0 is not modelled (on the CPU its optimizer wrapper trains without the loss "
+                         "scale the config means): ZeRO-1, 2 and 3 are")
+    per_epoch = 2 * ga + 1 if ga > 1 else 3  # the accumulation never divides an epoch: a last partial window
+    total = steps_taken(loop, per_epoch, ga)
+    steps, why_steps = options["steps"], None
+    if not steps and "steps" not in options.get("given", ()) and ga * options["backwards"] >= LARGE:
+        steps = 2  # a large accumulation: its first steps, within the minute
+        why_steps = f"comparing the first {steps} optimizer steps (GA {ga}; --steps N for more)"
+    # the raw engine and a pipeline stop after the steps compared (their windows are DeepSpeed's own count); the
+    # Trainer and accelerate run their epochs, their windows' ends being what their loops decide
+    early = steps if loop in ("engine", "pipeline") and steps and steps < total else None
+    scaled = []
+    if any(isinstance(_get(config, f"zero_optimization.{key}"), (int, float, str)) for key in reading.SIZE_KEYS):
+        from dspatch.canary.model import parameter_count
+
+        scaled = reading.scale_sizes(config, parameter_count("mlp" if pipeline else options["model"]),
+                                     options.get("model_params") or reading.DEFAULT_MODEL_PARAMETERS)
+    values = reading.trainer_values(config, options, micro, ga, data_ranks, precision)
+    given = json.loads(json.dumps(config))  # as the Trainer gets it: it fills "auto" itself
+    from dspatch.canary.model import HIDDEN
+
+    config, filled = reading.fill(config, values, HIDDEN, total, check=loop == "trainer")
+    why = _refuse(config, options)  # what "auto" hid: an optimizer or scheduler named by the filling
+    if why:
+        raise Unmodelled(why)
+    lr = float(_explicit(config, "optimizer.params.lr") or values["learning_rate"])
     config.setdefault("steps_per_print", 10**9)
     stage = _explicit(config, "zero_optimization.stage") or 0
-    if stage and config.get("zero_allow_untested_optimizer") is None:
-        config["zero_allow_untested_optimizer"] = True
-    optimizer = _get(config, "optimizer.type")
-    if optimizer is not None and str(optimizer).lower() in ("adam", "adamw"):
-        # the CPU has no fused Adam: torch's, the same update (DeepSpeed's `torch_adam`)
-        config["optimizer"].setdefault("params", {})["torch_adam"] = True
+    for target in (config, given):
+        if stage and target.get("zero_allow_untested_optimizer") is None:
+            target["zero_allow_untested_optimizer"] = True
+        optimizer = _get(target, "optimizer.type")
+        if optimizer is not None and str(optimizer).lower() in ("adam", "adamw"):
+            # the CPU has no fused Adam: torch's, the same update (DeepSpeed's `torch_adam`)
+            target["optimizer"].setdefault("params", {})["torch_adam"] = True
+        target.setdefault("steps_per_print", 10**9)
     offloaded = _get(config, "zero_optimization.offload_optimizer.device") == "cpu"
-    if offloaded and optimizer is None:
-        config["zero_force_ds_cpu_optimizer"] = False  # the canary's client optimizer on the CPU, as the user's
-    lrs = [lr, *(options["group_lrs"][1:] if options["group_lrs"] else [])]
-    if options["group_lrs"]:
-        lrs = list(options["group_lrs"])
-    if options["head"] != "causal" and options["loop"] != "trainer":
+    if offloaded and _get(config, "optimizer.type") is None:
+        for target in (config, given):
+            target["zero_force_ds_cpu_optimizer"] = False  # the canary's client optimizer on the CPU, as the user's
+    lrs = list(options["group_lrs"]) if options["group_lrs"] else [lr]
+    if options["head"] != "causal" and loop != "trainer":
         raise Unmodelled("--head sequence/token is modelled with --loop trainer only")
-    return {"loop": options["loop"], "config": config, "model": "mlp" if pipeline else options["model"],
-            "head": options["head"], "stages": stages, "data_ranks": data_ranks,
+    clip = _explicit(config, "gradient_clipping")
+    return {"loop": loop, "config": config, "trainer_config": given if loop == "trainer" else None,
+            "trainer_args": {k: v for k, v in values.items() if k != "world_size"},
+            "model": "mlp" if pipeline else options["model"],
+            "head": options["head"], "stages": stages, "data_ranks": data_ranks, "world_size": world,
             "micro": micro, "accumulation": ga, "per_epoch": per_epoch, "epochs": EPOCHS, "ranks": options["ranks"],
-            "lrs": lrs, "precision": precision, "clip": clip, "max_grad_norm": max_grad_norm,
-            "warmup_steps": warmup, "trainer_scheduler": options["scheduler"], "steps": options["steps"],
-            "backwards": options["backwards"], "boundary_call": options["boundary_call"], "stage": stage,
-            "offloaded": offloaded, "device": options.get("device", "cpu"), "seed": 0}
+            "lrs": lrs, "precision": precision, "clip": None if clip is None else float(reading._number(clip)),
+            "max_grad_norm": values["max_grad_norm"] if loop == "trainer" else None,
+            "warmup_steps": values["warmup_steps"], "trainer_scheduler": options["scheduler"],
+            "steps": steps, "early": early, "backwards": options["backwards"], "boundary_call": options["boundary_call"],
+            "stage": stage, "offloaded": offloaded, "device": options.get("device", "cpu"), "seed": 0,
+            "read": {"batch": read_words, "filled": filled, "scaled": scaled, "steps_why": why_steps}, "given": options.get("given", [])}
 
 
 def steps_taken(loop, per_epoch, ga, epochs=EPOCHS):
@@ -182,8 +183,10 @@ def default_options(**given):
     options = {"loop": "engine", "ranks": 1, "steps": 6, "group_lrs": None, "micro_batch": 1, "accumulation": 1,
                "lr": 0.05, "max_grad_norm": 1.0, "warmup_steps": 0, "scheduler": "constant", "precision": "fp32",
                "model": "llama", "head": "causal", "backwards": 1, "boundary_call": False,
-               "device": os.environ.get("DS_ACCELERATOR", "cpu")}
+               "device": os.environ.get("DS_ACCELERATOR", "cpu"),
+               "world_size": None, "model_params": None}
     options.update(given)
+    options["given"] = sorted(set(given) - {"given"} | set(given.get("given", ())))
     return options
 
 

@@ -24,7 +24,7 @@ def windows(plan):
         stream = [(epoch, index) for epoch in range(epochs) for index in range(per_epoch)]
         for start in range(0, len(stream) - ga + 1, ga):
             steps.append([(i * calls + c, ga) for _, i in stream[start:start + ga] for c in range(calls)])
-        return steps
+        return steps[:plan.get("early") or len(steps)]  # a run stopped after the steps it compares
     transformers = version_of("transformers")
     if plan["loop"] == "trainer" and transformers < (4, 47):
         # the Trainer before 4.47 steps by its count over the whole run, as DeepSpeed does; 4.46 divides each
@@ -98,12 +98,17 @@ def replay(plan, got):
 
     from dspatch.canary.model import build, groups, micro_batches, optimizer_of
 
+    import math
+
+    from dspatch.canary.loss_scale import Scaler, overflowed
+    from dspatch.canary.plan import version_of
+
     model = build(plan)
-    bf16 = plan["precision"] == "bf16"
-    if bf16:
-        model = model.to(torch.bfloat16)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan["precision"])  # mixed precision: fp32 masters
+    if low is not None:
+        model = model.to(low)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    masters = {n: (torch.nn.Parameter(p.detach().float().clone()) if bf16 else p) for n, p in named}
+    masters = {n: (torch.nn.Parameter(p.detach().float().clone()) if low is not None else p) for n, p in named}
     by_tensor = {id(p): masters[n] for n, p in named}
     optimizer = optimizer_of(plan, [{**group, "params": [by_tensor[id(p)] for p in group["params"]]}
                                     for group in groups(model, plan["lrs"])])
@@ -113,54 +118,69 @@ def replay(plan, got):
     table = rates(plan, len(plan_windows))
     moments = momentum(plan, len(plan_windows)) if "betas" in optimizer.defaults else None
     clip = clipping(plan)
+    scaler = Scaler(plan["config"].get("fp16"), stable_interval=version_of("deepspeed") >= (0, 17, 1)) \
+        if plan["precision"] == "fp16" else None
     before = start(plan)
-    steps = []
-    for window, step_rates, theirs in zip(plan_windows, table, got["steps"]):
+    steps, taken = [], 0  # taken: the steps applied (a skipped one advances neither the schedule nor the optimizer)
+    for window, theirs in zip(plan_windows, got["steps"]):
+        step_rates = table[min(taken, len(table) - 1)]
         with torch.no_grad():  # DeepSpeed's weights before this step, on both copies
             for n, p in named:
                 masters[n].copy_(before[n])
-                if bf16:
+                if low is not None:
                     p.copy_(before[n])
+        scale = scaler.scale if scaler else 1.0
         sums = {n: torch.zeros_like(before[n]) for n, _ in named}
-        parts = []  # each micro-batch's share of the gradient, for telling a divergence's shape
+        parts, peak = [], 0.0  # each micro-batch's share of the gradient; the largest scaled fp16 value
         for index, divisor in window:
             part = {n: torch.zeros_like(sums[n]) for n, _ in named}
             for batches in ranks:  # data parallel: each rank's micro-batch, the gradient averaged over the ranks
-                (model(**batches[index]).loss / (divisor * len(ranks))).backward()
-                for n, p in named:  # kept in fp32, as DeepSpeed's ZeRO optimizers and bf16 masters keep it
+                (model(**batches[index]).loss / (divisor * len(ranks)) * scale).backward()
+                for n, p in named:  # kept in fp32, as DeepSpeed's ZeRO optimizers and mixed-precision masters keep it
                     if p.grad is not None:
-                        part[n] += p.grad.float()
+                        if scaler:
+                            top = float(p.grad.abs().max())
+                            peak = max(peak, top if math.isfinite(top) else float("inf"))
+                        part[n] += p.grad.float() / scale
                     p.grad = None
             for n, _ in named:
                 sums[n] += part[n]
             parts.append(part)
+        skipped = False
+        if scaler and scaler.dynamic:  # a clear overflow skips; one too close to call is DeepSpeed's to decide
+            skipped = overflowed(peak, len(window) * len(ranks))
+            skipped = bool(theirs.get("skipped")) if skipped is None else skipped
+            scaler.update(skipped)
         applied = {n: (theirs["gradient"].get(n) if theirs["gradient"].get(n) is not None else torch.zeros_like(sums[n]))
                    for n, _ in named}
-        for n, _ in named:
-            masters[n].grad = applied[n].clone()
         norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in applied.values())))
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_([masters[n] for n, _ in named], clip)
-        for group, rate in zip(optimizer.param_groups, step_rates):
-            group["lr"] = rate
-        for group, betas in zip(optimizer.param_groups, moments[len(steps)] if moments else ()):
-            group["betas"] = betas
-        optimizer.step()
-        optimizer.zero_grad()
+        if not skipped:
+            for n, _ in named:
+                masters[n].grad = applied[n].clone()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_([masters[n] for n, _ in named], clip)
+            for group, rate in zip(optimizer.param_groups, step_rates):
+                group["lr"] = rate
+            for group, betas in zip(optimizer.param_groups, moments[taken] if moments else ()):
+                group["betas"] = betas
+            optimizer.step()
+            optimizer.zero_grad()
+            taken += 1
         steps.append({"lrs": step_rates, "gradient": sums, "parts": parts, "grad_norm": norm,
-                      "clipped": clip if 0 < clip < norm else None,
-                      "weights": {n: masters[n].detach().float().clone() for n, _ in named}})
+                      "clipped": clip if 0 < clip < norm and not skipped else None, "scale": scale,
+                      "skipped": skipped, "weights": {n: masters[n].detach().float().clone() for n, _ in named}})
         before = {n: theirs["weights"][n].float() for n in before}
     return {"steps": steps, "count": len(plan_windows)}
 
 
 def start(plan):
-    """The fp32 weights both sides start from (bf16: rounded to bf16 first, as DeepSpeed's masters are made)."""
+    """The fp32 weights both sides start from (bf16, fp16: rounded to it first, as DeepSpeed's masters are made)."""
     import torch
 
     from dspatch.canary.model import build
 
     model = build(plan)
-    if plan["precision"] == "bf16":
-        model = model.to(torch.bfloat16)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan["precision"])
+    if low is not None:
+        model = model.to(low)
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -50,6 +50,30 @@ def _full(engine, what):
     return found
 
 
+def _loss_scale(optimizer):
+    """The loss scale the optimizer's scaler holds for the step about to be taken (1 outside fp16), or None."""
+    for owner, name in ((getattr(optimizer, "loss_scaler", None), "cur_scale"), (optimizer, "cur_scale"),
+                        (optimizer, "loss_scale")):
+        value = getattr(owner, name, None) if owner is not None else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def allow_fp16_on_the_cpu():
+    """The canary's process only (never the user's job): the CPU accelerator says it supports fp16, so that DeepSpeed
+    builds an fp16 engine there (releases before 0.18 answer no; later ones ask oneDNN). The engine's own code is
+    unchanged: its loss scaler, its overflow checks, its fp16 copies."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return
+    accelerator.is_fp16_supported = lambda: True
+    accelerator.supported_dtypes = lambda: [torch.float, torch.bfloat16, torch.float16]
+
+
 RECORDING: list = []  # the record the instrumented step writes to (the run in progress)
 UNMODELLED = "not modelled: "  # an error that says the run cannot be what the plan means (exit 2, not a crash)
 
@@ -72,13 +96,17 @@ def _record_steps_of(cls, name):
 
     def step(self, *args, **kwargs):
         boundary = self.is_gradient_accumulation_boundary()
-        seen = ([g["lr"] for g in self.optimizer.param_groups], _full(self, "grad")) if boundary \
-            else None
-        before = self.global_steps
+        seen = ([g["lr"] for g in self.optimizer.param_groups], _full(self, "grad"), _loss_scale(self.optimizer)) \
+            if boundary else None
+        before, skipped = self.global_steps, getattr(self, "skipped_steps", 0)
         result = original(self, *args, **kwargs)
         if seen and self.global_steps > before:
             norm = self.get_global_grad_norm()
-            RECORDING[0].step(seen[0], seen[1], norm, _full(self, "weight"))
+            lrs, gradient, scale = seen
+            if scale and scale != 1:  # fp16: the gradient is still scaled before the step, as the loss was
+                gradient = {n: None if g is None else g / scale for n, g in gradient.items()}
+            RECORDING[0].step(lrs, gradient, norm, _full(self, "weight"), scale=scale,
+                              skipped=getattr(self, "skipped_steps", 0) > skipped)
         return result
 
     step.dspatch_canary = True
@@ -93,9 +121,12 @@ def _engine_loop(plan, model, batches, record):
     params = groups(model, plan["lrs"])
     client = None if plan["config"].get("optimizer") else optimizer_of(plan, params)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=params, optimizer=client, config=plan["config"])
-    per_step = plan["backwards"]
+    per_step, calls = plan["backwards"], 0
     for _ in range(plan["epochs"]):
         for start in range(0, len(batches), per_step):
+            if plan.get("early") and calls == plan["early"] * plan["accumulation"]:
+                return engine  # the steps compared are taken: DeepSpeed's count, not the record's, decides
+            calls += 1
             for k, batch in enumerate(batches[start:start + per_step]):
                 if plan["boundary_call"]:  # the step's last backward is its boundary, the others not
                     engine.set_gradient_accumulation_boundary(k == per_step - 1)
@@ -133,7 +164,8 @@ def _pipeline_loop(plan, model, batches, record):
     engine, *_ = deepspeed.initialize(model=module, model_parameters=params, optimizer=client, config=plan["config"])
     batches = [_on(batch) for batch in batches]
     stream = iter([(batch["input_ids"], batch["labels"]) for _ in range(plan["epochs"]) for batch in batches])
-    for _ in range(steps_taken("pipeline", plan["per_epoch"], plan["accumulation"], plan["epochs"])):
+    for _ in range(plan.get("early") or steps_taken("pipeline", plan["per_epoch"], plan["accumulation"],
+                                                   plan["epochs"])):
         record.loss(engine.train_batch(data_iter=stream))
     names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
     every = [None] * torch.distributed.get_world_size()
@@ -213,12 +245,10 @@ def _trainer_loop(plan, model, batches, record):
             for i in range(len(batch["labels"]))]
     reset_accelerate()
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=plan["micro"],
-                                 gradient_accumulation_steps=plan["accumulation"], num_train_epochs=plan["epochs"],
-                                 learning_rate=plan["lrs"][0], lr_scheduler_type=plan["trainer_scheduler"],
-                                 warmup_steps=plan["warmup_steps"], max_grad_norm=plan["max_grad_norm"],
-                                 optim="adamw_torch", weight_decay=0.0, logging_steps=1, save_strategy="no",
-                                 report_to=[], deepspeed=plan["config"], bf16=plan["precision"] == "bf16",
+        given = plan["trainer_args"]  # the config's explicit values and the options, as build_plan made them
+        args = TrainingArguments(output_dir=out, **{**given, "weight_decay": given.get("weight_decay", 0.0)},
+                                 optim="adamw_torch", logging_steps=1, save_strategy="no",
+                                 report_to=[], deepspeed=plan["trainer_config"],
                                  # TrainingArguments refuses bf16 on the CPU unless told it is the CPU
                                  use_cpu=plan["precision"] == "bf16" and plan["device"] == "cpu",
                                  dataloader_num_workers=0, seed=0, data_seed=0, remove_unused_columns=False)
@@ -242,9 +272,10 @@ class Record:
     def loss(self, loss):
         self.losses.append(loss.item())
 
-    def step(self, lrs, gradient, grad_norm, weights):
+    def step(self, lrs, gradient, grad_norm, weights, scale=None, skipped=False):
         self.steps.append({"lrs": lrs, "gradient": gradient,
-                           "grad_norm": None if grad_norm is None else float(grad_norm), "weights": weights})
+                           "grad_norm": None if grad_norm is None else float(grad_norm), "weights": weights,
+                           "scale": scale, "skipped": skipped})
 
     def as_dict(self, applied):
         """What `dspatch canary` reads of a run: its steps, losses, error, and the patches in force (`applied`)."""
@@ -260,6 +291,42 @@ class Record:
 LOOPS = {"engine": _engine_loop, "accelerate": _accelerate_loop, "trainer": _trainer_loop, "pipeline": _pipeline_loop}
 
 
+def accepted(config, data_ranks):
+    """None where DeepSpeed's own config classes accept `config` (its batch sizes for `data_ranks` data-parallel
+    ranks, as its engine counts them), else why not, in one line: what DeepSpeed itself refuses is not the canary's
+    to train."""
+    import contextlib
+    import io
+    import types
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its INFO lines are not the canary's output
+            DeepSpeedConfig(json.loads(json.dumps(config)),
+                            mpu=types.SimpleNamespace(get_data_parallel_world_size=lambda: data_ranks))
+    except Exception as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        return " ".join(lines[:3])
+    return None
+
+
+# functions that check a config as they fill it (accelerate's and transformers' fill_match, accelerate's
+# deepspeed_config_process): a ValueError raised there is a refusal of the config, not a crash in training
+CONFIG_CHECKS = {"fill_match": "accelerate", "deepspeed_config_process": "accelerate",
+                 "trainer_config_finalize": "the Trainer"}
+
+
+def _in_the_canary(trace):
+    """Where an exception was raised in the canary's own code (not DeepSpeed's, transformers', accelerate's or
+    torch's, which the canary calls): the function's name, else None."""
+    import os
+
+    own = os.path.dirname(os.path.abspath(__file__))
+    last = trace[-1] if trace else None
+    return last.name if last and os.path.dirname(os.path.abspath(last.filename)) == own else None
+
+
 def run(plan):
     """The record of one run of `plan` in this process."""
     from dspatch.canary.model import build, micro_batches
@@ -270,11 +337,26 @@ def run(plan):
     record = Record()
     try:
         init_deepspeed()
+        if plan["precision"] == "fp16":
+            allow_fp16_on_the_cpu()
+        why = accepted(plan["config"], plan["data_ranks"])
+        if why:
+            raise RuntimeError(f"{UNMODELLED}DeepSpeed refuses this config: {why}")
         instrument(record)
         rank = 0 if plan["loop"] == "pipeline" else torch.distributed.get_rank()  # a pipeline's stages share its data
         LOOPS[plan["loop"]](plan, build(plan), micro_batches(plan, rank), record)
     except Exception as e:  # a run that crashes is reported as such, with the error, not as a divergence
-        record.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        trace = traceback.extract_tb(e.__traceback__)
+        where = _in_the_canary(trace)
+        if trace and trace[-1].name in CONFIG_CHECKS and isinstance(e, ValueError):
+            # the loop's library refuses the config as it fills it: what the user's job would be told at its start
+            record.error = f"{UNMODELLED}{CONFIG_CHECKS[trace[-1].name]} refuses this config: " + \
+                " ".join(str(e).split())
+        elif where and UNMODELLED not in str(e):  # the canary's own harness failed: not a bug of the user's stack
+            record.error = f"{UNMODELLED}the canary cannot model this: {type(e).__name__}: {e} (in {where})\n" \
+                f"{traceback.format_exc()}"
+        else:
+            record.error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     return record
 
 

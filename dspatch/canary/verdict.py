@@ -16,12 +16,15 @@ FP32 = 1e-5
 # 65536) or whole micro-batches left out (>= 1/N of the gradient): beyond N = 8 the margin is capped at 1/(2N), half a
 # micro-batch's share, so that one left out still shows (where bf16 noise may then come near it: said in the docs).
 BF16_PER_ROUNDING = 2.0 ** -8
+# fp16 keeps 11 significant bits: its unit roundoff is 2^-11, counted as bf16's (the loss scale keeps the gradients
+# in fp16's normal range; a step whose scaled gradient overflows is skipped, not compared)
+PER_ROUNDING = {"bf16": BF16_PER_ROUNDING, "fp16": 2.0 ** -11}
 
 
 def tolerance(plan):
-    if plan["precision"] == "bf16":
+    if plan["precision"] in PER_ROUNDING:
         count = plan["accumulation"] * plan["backwards"]
-        return min(max(4, 2 * count) * BF16_PER_ROUNDING, 1 / (2 * count))
+        return min(max(4, 2 * count) * PER_ROUNDING[plan["precision"]], 1 / (2 * count))
     return FP32
 
 
@@ -121,6 +124,54 @@ def _adam_second_step(plan):
     return (1 + beta2) ** 0.5 / (1 + beta1)
 
 
+# Upstream bugs the canary found that no patch fixes (nor dspatch/known.py lists: an option few set, or a start-up
+# cost rather than wrong numbers): (shape, distribution, the releases, what it is). A divergence of that shape on
+# those releases names it instead of "a new bug".
+FINDINGS = (
+    ("lr_schedule", "deepspeed", "<0.19.4", "OneCycle's cycle_first_stair_count/cycle_second_stair_count do nothing "
+     "before deepspeed 0.19.4 (upstream PR 8179)"),
+    ("loss_scale_schedule", "deepspeed", "<0.17.1", "an fp16 block that sets none of initial_scale_power, "
+     "loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale starts at 2^32 with hysteresis 1 before "
+     "deepspeed 0.17.1, not at the documented 2^16 with hysteresis 2: its first steps are skipped (set "
+     "initial_scale_power to have the documented scaler)"),
+)
+
+
+def findings(code):
+    """The FINDINGS of this shape on the installed releases: [words]."""
+    from dspatch.upstream import installed_version
+    from dspatch.versions import SpecifierSet, Version
+
+    found = []
+    for shape, distribution, releases, words in FINDINGS:
+        version = installed_version(distribution)
+        if shape == code and version and SpecifierSet(releases).contains(Version(version).base_version):
+            found.append(words)
+    return found
+
+
+def _power(value):
+    """2^k where `value` is one, else the number."""
+    import math
+
+    exponent = math.log2(value) if value > 0 else 0.5
+    return f"2^{int(exponent)}" if exponent.is_integer() else f"{value:g}"
+
+
+def _scaler_shape(mine, theirs):
+    """fp16's loss scale and skipped steps against the config's scaler: {"what", "code", "words"}, or None."""
+    want, got = theirs.get("scale"), mine.get("scale")
+    if want and want != 1 and got is not None and abs(got - want) > 1e-9 * want:
+        return {"what": "loss scale", "code": "loss_scale_schedule",
+                "words": f"DeepSpeed's loss scale is {_power(got)} where the config's scaler gives {_power(want)}"}
+    if want and want != 1 and bool(mine.get("skipped")) != bool(theirs.get("skipped")):
+        words = (f"DeepSpeed skipped this step for an overflow, though its gradient at loss scale {_power(want)} is finite"
+                 if mine.get("skipped") else
+                 f"DeepSpeed applied this step, though its gradient overflows fp16 at loss scale {_power(want)}")
+        return {"what": "skipped step", "code": "skipped", "words": words}
+    return None
+
+
 def compare(plan, got, want, start):
     """The first divergence of the DeepSpeed record `got` from the reference's replay of it `want` (from the same
     `start` weights), or None: {"step", "what", "code", "words"}."""
@@ -152,6 +203,16 @@ def compare(plan, got, want, start):
         if len(rates) != len(expected) or any(abs(a - b) > 1e-12 + 1e-6 * abs(b) for a, b in zip(rates, expected)):
             code, words = _rates_shape(rates, expected)
             return {"step": number, "what": "learning rate", "code": code, "words": words}
+        scaled = _scaler_shape(mine, theirs)
+        if scaled:
+            return {"step": number, **scaled}
+        if theirs.get("skipped"):  # skipped, as the config's scaler means: nothing applied, nothing moved
+            after = _flat(mine["weights"], names)
+            if float((after - before).norm()):
+                return {"step": number, "what": "update", "code": "update",
+                        "words": "the weights moved on a step skipped for an overflow (the loss scale's)"}
+            before = after
+            continue
         given = {n: (mine["gradient"].get(n) if mine["gradient"].get(n) is not None else theirs["gradient"][n] * 0)
                  for n in names}
         applied, wanted = _flat(given, names), _flat(theirs["gradient"], names)
