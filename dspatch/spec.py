@@ -139,10 +139,8 @@ class Patch:
       with the same words: a wrong name sends a user to a fix for a bug they do not have.
     - `cause`: what goes wrong on stock upstream, in one sentence (the first line of `explain` and `check -v`; the
       `summary` says what the patch does about it).
-    - `canary`: for a silent bug, the shapes of divergence `dspatch canary` tells (dspatch.canary.verdict's codes:
-      "divided_twice", "not_divided", "last_only", "middle_dropped", "piled_up", "windows", "lr_groups", "clipping",
-      "nan", "grad_norm", "update", "loss_scale", "adam_step_early", "unsharded", "lr", "lr_schedule"): a divergence
-      of one of them names the patch as a candidate.
+    - `canary`: for a silent bug, the shapes of divergence `dspatch canary` tells (the keys of
+      dspatch.canary.verdict.SHAPES, one table): a divergence of one of them names the patch as a candidate.
     - `symptom`: what a user sees on stock upstream, in a few words (the error's own text where there is one; for a
       silent bug, the wrong result): the README's short table shows it beside the patch id.
     - `note`: what a user should know while it is applied (shown by --check), e.g. that debuggers show the

@@ -56,6 +56,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, why, monkeypat
 
 
 @pytest.mark.unit_only
+def test_every_shape_a_patch_declares_is_one_the_comparison_can_emit():
+    """One table of shapes (dspatch.canary.verdict.SHAPES): each patch's `canary` shapes are in it, and each of its codes
+    is one the comparison's code writes."""
+    import inspect
+    import re
+
+    from dspatch import registry
+    from dspatch.canary import verdict
+
+    declared = {code for patch in registry.all_patches().values() for code in patch.canary}
+    assert declared <= set(verdict.SHAPES), declared - set(verdict.SHAPES)
+    code = inspect.getsource(verdict).split("SHAPES = {", 1)[0] + inspect.getsource(verdict).split("\n}\n", 1)[1]
+    written = set(re.findall(r'"(\w+)"', code)) | set(re.findall(r"'(\w+)'", code))
+    assert set(verdict.SHAPES) - {"crash"} <= written, set(verdict.SHAPES) - written
+
+
+@pytest.mark.unit_only
 def test_without_the_stack_it_says_what_is_missing(tmp_path):
     proc = canary(tmp_path, Z2)
     assert proc.returncode == 2 and "not installed for" in proc.stderr and len(proc.stderr.splitlines()) == 1, proc

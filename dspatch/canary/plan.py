@@ -185,6 +185,9 @@ def default_options(**given):
                "model": "llama", "head": "causal", "backwards": 1, "boundary_call": False,
                "device": os.environ.get("DS_ACCELERATOR", "cpu"),
                "world_size": None, "model_params": None}
+    unknown = sorted(set(given) - set(options) - {"given"})
+    if unknown:  # a misspelt option would otherwise be a run of another plan, silently
+        raise TypeError(f"unknown canary options: {', '.join(unknown)} (known: {', '.join(sorted(options))})")
     options.update(given)
     options["given"] = sorted(set(given) - {"given"} | set(given.get("given", ())))
     return options

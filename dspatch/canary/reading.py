@@ -213,7 +213,10 @@ def trainer_values(config, options, micro, ga, ranks, precision):
     values = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": ga, "world_size": ranks,
               "num_train_epochs": options.get("epochs", 2), "lr_scheduler_type": options["scheduler"],
               "fp16": precision == "fp16", "bf16": precision == "bf16"}
-    stated = {name: explicit(config, key) for key, name in TRAINER_KEYS.items()}
+    stated = {}
+    for key, name in TRAINER_KEYS.items():  # the optimizer's rate before the scheduler's peak
+        if stated.get(name) is None:
+            stated[name] = explicit(config, key)
     defaults = {"max_grad_norm": options["max_grad_norm"], "learning_rate": options["lr"],
                 "warmup_steps": options["warmup_steps"]}
     for name, option in (("max_grad_norm", "max_grad_norm"), ("learning_rate", "lr"),
@@ -222,8 +225,6 @@ def trainer_values(config, options, micro, ga, ranks, precision):
             values[name] = options[option]
         elif stated.get(name) is not None:
             values[name] = _number(stated[name])
-        elif name == "learning_rate" and explicit(config, "scheduler.params.warmup_max_lr") is not None:
-            values[name] = _number(explicit(config, "scheduler.params.warmup_max_lr"))
         else:
             values[name] = defaults[name]
     for name in ("adam_epsilon", "weight_decay"):

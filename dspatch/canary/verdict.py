@@ -5,6 +5,32 @@ Tolerances (relative): fp32 1e-5, as the issue fixes it; bf16 derived in BF16 be
 """
 
 FP32 = 1e-5
+# Every shape of divergence the comparison tells, one line each: the codes a patch's `canary` names (spec.Patch).
+SHAPES = {
+    "divided_twice": "the gradient divided by GA once too often (or twice: two bugs at once)",
+    "not_divided": "the gradient never divided by GA",
+    "loss_scale": "the gradient multiplied or divided by a loss scale of 65536",
+    "scaled": "the gradient another multiple of the reference",
+    "last_only": "only the window's (or the step's backwards') last micro-batch",
+    "middle_dropped": "the window's first and last micro-batches only",
+    "piled_up": "earlier steps' gradients never cleared",
+    "nan": "NaN or inf in the gradient",
+    "other": "a gradient of no shape above",
+    "stage_divided": "a pipeline's earlier stages divided by GA again",
+    "lr_groups": "a param group at another group's rate",
+    "lr": "the rates of several groups off",
+    "lr_schedule": "the schedule's own rates off",
+    "update": "the weights moved otherwise than the optimizer the config means moves them",
+    "adam_step_early": "Adam's first step taken as its second",
+    "clipping": "the clipping asked for not applied",
+    "stage_clipping": "a pipeline clipped by another norm",
+    "grad_norm": "the reported gradient norm off",
+    "windows": "another number of optimizer steps than the loop means",
+    "unsharded": "each rank trained on every rank's micro-batches",
+    "skipped": "fp16: a step skipped that the loss scaler does not mean, or the reverse",
+    "loss_scale_schedule": "fp16: a loss scale other than the config's scaler gives",
+    "crash": "the run raised",
+}
 # bf16 keeps 8 significant bits: one rounding is a relative error of at most 2^-8 (its unit roundoff,
 # torch.finfo(torch.bfloat16).eps / 2). The model's forward and backward run in bf16 on both sides from the same bf16
 # weights, and a window's gradient meets roundings plain torch's need not share: in each micro-batch's own gradient
