@@ -39,7 +39,11 @@ def canary(tmp_path, config, *args, env=None):
     ({"zero_optimization": {"stage": 1}}, ["--loop", "pipeline", "--ranks", "1"], "a pipeline of one stage"),
     ({}, ["--loop", "pipeline", "--group-lrs", "0.1,0.01"], "--group-lrs with --loop pipeline"),
     ({}, ["--loop", "pipeline", "--model", "moe"], "trains its own token model"),
-    ({"pipeline": {"activation_checkpoint_interval": 0}}, [], "give --loop pipeline")])
+    ({"pipeline": {"activation_checkpoint_interval": 0}}, [], "give --loop pipeline"),
+    (Z2, ["--world-size", "0"], "--world-size 0: give a positive number"), (Z2, ["--bf16", "--fp16"], "give one"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}}, [], "NVMe offload is not modelled"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, [], "needs DeepSpeedCPUAdam"),
+    ({"train_micro_batch_size_per_gpu": "two"}, [], "is not a positive whole number")])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, config, args, why, monkeypatch):
     """Read before anything heavy: the unit session has no torch, so the check that torch is there comes first; the
     plan is judged here in-process."""
@@ -261,7 +265,7 @@ def test_the_report_a_user_reads(tmp_path):
     assert ok.returncode == 0, ok.stderr[-3000:]
     lines = ok.stdout.splitlines()
     flat = " ".join(" ".join(lines).split())
-    assert flat.startswith("dspatch canary ") and "engine loop, ZeRO-2, GA 2, fp32, 1 rank" in flat
+    assert flat.startswith("dspatch canary ") and "engine loop, ZeRO-2, micro batch 1, GA 2, fp32, 1 rank" in flat
     assert flat.count("trains as plain torch") == 2 and "DSPATCH unset (stock)" in flat
     assert all(len(line) <= 80 for line in lines), lines
     # an optimizer torch refuses to build inside deepspeed.initialize: a crash in the stack's code, exit 1

@@ -25,8 +25,9 @@ def arguments(parser):
                         "or a pipeline's train_batch (2 stages of a token model)")
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=None, help="1 or 2 gloo/NCCL ranks (default 1; "
                         "2 with --loop pipeline, one stage each)")
-    parser.add_argument("--steps", type=int, default=0, metavar="N", help="compare the first N optimizer steps only "
-                        "(default: all; the data is two epochs the accumulation does not divide)")
+    parser.add_argument("--steps", type=int, default=None, metavar="N", help="compare the first N optimizer steps "
+                        "only (default: all, the first 2 at 8 micro-batches a step or more; the data is two epochs the "
+                        "accumulation does not divide)")
     parser.add_argument("--group-lrs", metavar="LR,LR", default=None,
                         help="two param groups (the output head its own) at these rates")
     parser.add_argument("--ga", type=int, default=None, metavar="N",
@@ -94,8 +95,11 @@ def _options(args, facts=None):
     if args.bf16 and args.fp16:
         raise Unmodelled("--bf16 and --fp16: give one")
     ranks = args.ranks or (2 if loop == "pipeline" else 1)
-    return default_options(loop=loop, ranks=ranks, steps=args.steps, group_lrs=rates, model=args.model,
-                           head=args.head, backwards=args.backwards, boundary_call=args.boundary_call, **given)
+    options = default_options(loop=loop, ranks=ranks, steps=args.steps or 0, group_lrs=rates, model=args.model,
+                              head=args.head, backwards=args.backwards, boundary_call=args.boundary_call, **given)
+    if args.steps is None:  # not given: a large accumulation compares its first steps only
+        options["given"].remove("steps")
+    return options
 
 
 TIMEOUT = 900  # seconds for one DeepSpeed interpreter or job: a default run takes under 60 s on 2 cores, the tests'
@@ -306,6 +310,8 @@ def read_lines(the_plan):
 
 
 def _lines(config_path, the_plan, results, tol):
+    from dspatch.canary.verdict import power
+
     out = [f"dspatch canary {config_path}: {describe(the_plan)}; {the_plan['epochs']} epochs of "
            f"{the_plan['per_epoch']} micro-batches"]
     out += ["  " + line for line in read_lines(the_plan)]
@@ -315,7 +321,7 @@ def _lines(config_path, the_plan, results, tol):
             out.append(f"  trains as plain torch: every step's rates, gradient, update and reported norm within {tol:g}")
             if skips:
                 out.append(f"  {skips[0]} of {skips[1]} steps skipped for an overflow, as the config's loss scaler "
-                           f"means (loss scale {skips[2]:g} at the end)")
+                           f"means (loss scale {power(skips[2])} at the end)")
             continue
         out.append(f"  {'CRASHED' if found['code'] == 'crash' else 'DIVERGES'} at optimizer step {found['step']} "
                    f"({found['what']}): {found['words']}")

@@ -123,12 +123,14 @@ def build_plan(config, options):
     # the raw engine and a pipeline stop after the steps compared (their windows are DeepSpeed's own count); the
     # Trainer and accelerate run their epochs, their windows' ends being what their loops decide
     early = steps if loop in ("engine", "pipeline") and steps and steps < total else None
-    scaled = []
+    scaled, ratio = [], None
     if any(isinstance(_get(config, f"zero_optimization.{key}"), (int, float, str)) for key in reading.SIZE_KEYS):
         from dspatch.canary.model import parameter_count
 
-        scaled = reading.scale_sizes(config, parameter_count("mlp" if pipeline else options["model"]),
-                                     options.get("model_params") or reading.DEFAULT_MODEL_PARAMETERS)
+        tiny = parameter_count("mlp" if pipeline else options["model"])
+        user = options.get("model_params") or reading.DEFAULT_MODEL_PARAMETERS
+        scaled = reading.scale_sizes(config, tiny, user)
+        ratio = f"{tiny} parameters for your {user:g}{'' if options.get('model_params') else ' (--model-params)'}"
     values = reading.trainer_values(config, options, micro, ga, data_ranks, precision)
     given = json.loads(json.dumps(config))  # as the Trainer gets it: it fills "auto" itself
     from dspatch.canary.model import HIDDEN
@@ -166,7 +168,7 @@ def build_plan(config, options):
             "warmup_steps": values["warmup_steps"], "trainer_scheduler": options["scheduler"],
             "steps": steps, "early": early, "backwards": options["backwards"], "boundary_call": options["boundary_call"],
             "stage": stage, "offloaded": offloaded, "device": options.get("device", "cpu"), "seed": 0,
-            "read": {"batch": read_words, "filled": filled, "scaled": scaled, "steps_why": why_steps}, "given": options.get("given", [])}
+            "read": {"batch": read_words, "filled": filled, "scaled": scaled, "ratio": ratio, "steps_why": why_steps}, "given": options.get("given", [])}
 
 
 def steps_taken(loop, per_epoch, ga, epochs=EPOCHS):

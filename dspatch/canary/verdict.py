@@ -176,7 +176,7 @@ def findings(code):
     return found
 
 
-def _power(value):
+def power(value):
     """2^k where `value` is one, else the number."""
     import math
 
@@ -189,11 +189,12 @@ def _scaler_shape(mine, theirs):
     want, got = theirs.get("scale"), mine.get("scale")
     if want and want != 1 and got is not None and abs(got - want) > 1e-9 * want:
         return {"what": "loss scale", "code": "loss_scale_schedule",
-                "words": f"DeepSpeed's loss scale is {_power(got)} where the config's scaler gives {_power(want)}"}
+                "words": f"DeepSpeed's loss scale is {power(got)} where the config's scaler gives {power(want)}"}
     if want and want != 1 and bool(mine.get("skipped")) != bool(theirs.get("skipped")):
-        words = (f"DeepSpeed skipped this step for an overflow, though its gradient at loss scale {_power(want)} is finite"
+        words = (f"DeepSpeed skipped this step for an overflow, though its gradient at loss scale {power(want)} is "
+                 "finite"
                  if mine.get("skipped") else
-                 f"DeepSpeed applied this step, though its gradient overflows fp16 at loss scale {_power(want)}")
+                 f"DeepSpeed applied this step, though its gradient overflows fp16 at loss scale {power(want)}")
         return {"what": "skipped step", "code": "skipped", "words": words}
     return None
 
