@@ -287,8 +287,8 @@ def fill(config, values, hidden, steps, check):
 def source(key, given):
     """Where the Trainer's code took a filled value from, in a few words (`given`: the options the user gave)."""
     last = key.split(".")[-1]
-    option = {"train_micro_batch_size_per_gpu": ("micro_batch", "--micro-batch", "1"),
-              "gradient_accumulation_steps": ("accumulation", "--ga", "1"),
+    option = {"train_micro_batch_size_per_gpu": ("micro_batch", "--micro-batch", "the canary's 1"),
+              "gradient_accumulation_steps": ("accumulation", "--ga", "the canary's 1"),
               "gradient_clipping": ("max_grad_norm", "--max-grad-norm", "max_grad_norm's default"),
               "lr": ("lr", "--lr", "the canary's 0.05"), "warmup_max_lr": ("lr", "--lr", "the canary's 0.05"),
               "warmup_num_steps": ("warmup_steps", "--warmup-steps", "no warmup"),
