@@ -103,7 +103,8 @@ def _record_steps_of(cls, name):
         if seen and self.global_steps > before:
             norm = self.get_global_grad_norm()
             lrs, gradient, scale = seen
-            if scale and scale != 1:  # fp16: the gradient is still scaled before the step, as the loss was
+            if RECORDING[0].fp16 and scale and scale != 1:  # fp16: still scaled before the step, as the loss was
+                # (only in fp16: bf16 at ZeRO-0 on 0.17.6-0.18.2 holds a scale of 65536 it must not have, a bug)
                 gradient = {n: None if g is None else g / scale for n, g in gradient.items()}
             RECORDING[0].step(lrs, gradient, norm, _full(self, "weight"), scale=scale,
                               skipped=getattr(self, "skipped_steps", 0) > skipped)
@@ -265,8 +266,9 @@ def _trainer_loop(plan, model, batches, record):
 
 
 class Record:
-    def __init__(self):
+    def __init__(self, fp16=False):
         self.steps, self.losses, self.error = [], [], None
+        self.fp16 = fp16  # the gradients DeepSpeed holds before a step are scaled by the loss scale
         self.stages = None  # a pipeline's: the parameter names of each stage
 
     def loss(self, loss):
@@ -334,7 +336,7 @@ def run(plan):
 
     import torch
 
-    record = Record()
+    record = Record(fp16=plan["precision"] == "fp16")
     try:
         init_deepspeed()
         if plan["precision"] == "fp16":
