@@ -13,13 +13,11 @@ FP16_MAX = 65504.0  # the largest finite fp16 value
 
 
 def _number(block, key, default):
-    value = block.get(key, default)
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            return default
-    return default if value in (None, "auto") or isinstance(value, bool) else value
+    """`block[key]` as DeepSpeed reads a number ("8" and 8 alike), `default` where it says nothing, "auto" or words."""
+    from dspatch.canary.reading import number
+
+    value = number(block.get(key, default))
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
 class Scaler:

@@ -7,7 +7,7 @@ import json
 import os
 
 from dspatch.canary import reading
-from dspatch.canary.reading import Unmodelled  # noqa: F401 (the command's and the tests' name for it)
+from dspatch.canary.reading import Unmodelled, read  # noqa: F401 (the command's and the tests' names for them)
 
 LOOPS = ("engine", "accelerate", "trainer", "pipeline")
 HEADS = ("causal", "sequence", "token")
@@ -17,12 +17,6 @@ SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 TRAINER_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 EPOCHS = 2
 LARGE = 8  # micro-batches a step from which a run compares its first steps only unless --steps says otherwise
-
-
-def read(path):
-    """(the user's DeepSpeed config, what the file says of the job) of a JSON file or an accelerate YAML file, or
-    Unmodelled saying why it cannot be read (dspatch.canary.reading)."""
-    return reading.read(path)
 
 
 _get, _explicit = reading.get, reading.explicit
@@ -111,7 +105,8 @@ def build_plan(config, options):
     for dotted, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", ga)):
         config.setdefault(dotted, "auto" if loop == "trainer" else value)
     precision = _precision(config, options)
-    if precision == "fp16" and not (_explicit(config, "zero_optimization.stage") or 0):
+    stage = _explicit(config, "zero_optimization.stage") or 0
+    if precision == "fp16" and not stage:
         raise Unmodelled("fp16 at ZeRO-0 is not modelled (on the CPU its optimizer wrapper trains without the loss "
                          "scale the config means): ZeRO-1, 2 and 3 are")
     per_epoch = 2 * ga + 1 if ga > 1 else 3  # the accumulation never divides an epoch: a last partial window
@@ -140,8 +135,6 @@ def build_plan(config, options):
     if why:
         raise Unmodelled(why)
     lr = float(_explicit(config, "optimizer.params.lr") or values["learning_rate"])
-    config.setdefault("steps_per_print", 10**9)
-    stage = _explicit(config, "zero_optimization.stage") or 0
     for target in (config, given):
         if stage and target.get("zero_allow_untested_optimizer") is None:
             target["zero_allow_untested_optimizer"] = True
@@ -163,12 +156,13 @@ def build_plan(config, options):
             "model": "mlp" if pipeline else options["model"],
             "head": options["head"], "stages": stages, "data_ranks": data_ranks, "world_size": world,
             "micro": micro, "accumulation": ga, "per_epoch": per_epoch, "epochs": EPOCHS, "ranks": options["ranks"],
-            "lrs": lrs, "precision": precision, "clip": None if clip is None else float(reading._number(clip)),
+            "lrs": lrs, "precision": precision, "clip": None if clip is None else float(reading.number(clip)),
             "max_grad_norm": values["max_grad_norm"] if loop == "trainer" else None,
             "warmup_steps": values["warmup_steps"], "trainer_scheduler": options["scheduler"],
             "steps": steps, "early": early, "backwards": options["backwards"], "boundary_call": options["boundary_call"],
             "stage": stage, "offloaded": offloaded, "device": options.get("device", "cpu"), "seed": 0,
-            "read": {"batch": read_words, "filled": filled, "scaled": scaled, "ratio": ratio, "steps_why": why_steps}, "given": options.get("given", [])}
+            "read": {"batch": read_words, "filled": filled, "scaled": scaled, "ratio": ratio, "steps_why": why_steps},
+            "given": options.get("given", [])}
 
 
 def steps_taken(loop, per_epoch, ga, epochs=EPOCHS):

@@ -224,21 +224,21 @@ def trainer_values(config, options, micro, ga, ranks, precision):
         if option in given:
             values[name] = options[option]
         elif stated.get(name) is not None:
-            values[name] = _number(stated[name])
+            values[name] = number(stated[name])
         else:
             values[name] = defaults[name]
     for name in ("adam_epsilon", "weight_decay"):
         if stated.get(name) is not None:
-            values[name] = _number(stated[name])
+            values[name] = number(stated[name])
     betas = explicit(config, "optimizer.params.betas")
     if isinstance(betas, (list, tuple)) and len(betas) == 2:
-        values["adam_beta1"], values["adam_beta2"] = (_number(b) for b in betas)
+        values["adam_beta1"], values["adam_beta2"] = (number(b) for b in betas)
     if isinstance(values["warmup_steps"], float) and values["warmup_steps"].is_integer():
         values["warmup_steps"] = int(values["warmup_steps"])
     return values
 
 
-def _number(value):
+def number(value):
     """A number as the config states it ("1e-5" and 3e-5 alike)."""
     if isinstance(value, str):
         try:
@@ -329,7 +329,7 @@ def scale_sizes(config, tiny, user):
     for key in SIZE_KEYS:
         value = zero.get(key)
         if isinstance(value, str):
-            value = _number(value)
+            value = number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             continue
         now = int(math.floor(value * ratio))

@@ -104,7 +104,7 @@ def replay(plan, got):
     from dspatch.canary.plan import version_of
 
     model = build(plan)
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan["precision"])  # mixed precision: fp32 masters
+    low = _low(plan)  # mixed precision: fp32 masters
     if low is not None:
         model = model.to(low)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -173,14 +173,19 @@ def replay(plan, got):
     return {"steps": steps, "count": len(plan_windows)}
 
 
-def start(plan):
-    """The fp32 weights both sides start from (bf16, fp16: rounded to it first, as DeepSpeed's masters are made)."""
+def _low(plan):
+    """The 16-bit dtype the plan's model computes in (bf16, fp16), or None for fp32."""
     import torch
 
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan["precision"])
+
+
+def start(plan):
+    """The fp32 weights both sides start from (bf16, fp16: rounded to it first, as DeepSpeed's masters are made)."""
     from dspatch.canary.model import build
 
     model = build(plan)
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan["precision"])
+    low = _low(plan)
     if low is not None:
         model = model.to(low)
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}

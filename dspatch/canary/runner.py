@@ -247,7 +247,7 @@ def _trainer_loop(plan, model, batches, record):
     reset_accelerate()
     with tempfile.TemporaryDirectory() as out:
         given = plan["trainer_args"]  # the config's explicit values and the options, as build_plan made them
-        args = TrainingArguments(output_dir=out, **{**given, "weight_decay": given.get("weight_decay", 0.0)},
+        args = TrainingArguments(output_dir=out, **given,
                                  optim="adamw_torch", logging_steps=1, save_strategy="no",
                                  report_to=[], deepspeed=plan["trainer_config"],
                                  # TrainingArguments refuses bf16 on the CPU unless told it is the CPU
