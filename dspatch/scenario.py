@@ -251,6 +251,40 @@ def sgd_windows(model, steps, lr, loss_of=lm_loss):
     return weights(model)
 
 
+def accelerate_sgd_loop(config, batches, accumulate=True, lr=0.5):
+    """The weights of a tiny Llama after a custom accelerate loop under DeepSpeed (`config`, the DeepSpeed config;
+    accelerate's accumulation is the config's `gradient_accumulation_steps`): one pass over `batches` (micro-batches of
+    one example) through a prepared dataloader, each `accelerator.backward(out.loss); optimizer.step();
+    optimizer.zero_grad()` under `accelerator.accumulate(model)` (or without it: `accumulate=False`), plain SGD at
+    `lr`. accelerate's state is reset before and after."""
+    import contextlib
+
+    import torch
+
+    init_deepspeed()
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    ga = config["gradient_accumulation_steps"]
+    reset_accelerate()
+    try:
+        accelerator = Accelerator(gradient_accumulation_steps=ga, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+        model = tiny_llama()
+        rows = [{key: value[0] for key, value in batch.items()} for batch in batches]
+        loader = torch.utils.data.DataLoader(rows, batch_size=1)
+        engine, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=lr), loader)
+        if type(engine).__name__ != "DeepSpeedEngine" or engine.gradient_accumulation_steps() != ga:
+            raise AssertionError(f"accelerate prepared {type(engine).__name__}, not DeepSpeed at accumulation {ga}")
+        for batch in loader:
+            with accelerator.accumulate(engine) if accumulate else contextlib.nullcontext():
+                accelerator.backward(engine(**batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        reset_accelerate()
+    return weights(model)
+
+
 def word_tokenizer(vocab, folder=None, **special):
     """A fast tokenizer made in code (nothing from a hub): one token per whitespace-separated word of `vocab`
     (a list or {word: id}), `special` its special tokens (pad_token="<pad>", ...; padding_side too). Saved to
