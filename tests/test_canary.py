@@ -158,6 +158,11 @@ CASES = {
     "deepspeed/backward-scale-wrt-gas": (["--loop", "trainer", "--ga", "3"], Z2, "divided_twice"),
     "transformers/deepspeed-grad-accum-scale": (["--loop", "trainer", "--ga", "3"], Z2, "divided_twice"),
     "accelerate/deepspeed-ga-boundary": (["--loop", "accelerate", "--ga", "3"], Z2, "windows"),
+    # the loop's accelerator.clip_grad_norm_(params, 0.01): DeepSpeed clips at its config's value (none or 1.0)
+    "accelerate/deepspeed-clip-grad-norm": (["--loop", "accelerate", "--clip-call", "0.01"], Z2, "clip_call"),
+    # accelerate >= 1.8 steps on every micro-batch of a loop without accumulate(): GA times the steps
+    "accelerate/deepspeed-steps-without-accumulate": (["--loop", "accelerate", "--no-accumulate", "--ga", "3"], Z2,
+                                                      "windows"),
     "deepspeed/zero0-bf16-grads": (["--bf16"], {"zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
                                                 "optimizer": {"type": "SGD", "params": {"lr": 0.05}}},
                                    # 0.17.6-0.18.2 multiply them by a loss scale of 65536 (the first thing seen; then

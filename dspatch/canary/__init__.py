@@ -56,6 +56,11 @@ def arguments(parser):
     parser.add_argument("--boundary-call", action="store_true",
                         help="with --backwards: engine.set_gradient_accumulation_boundary(False) before all but the "
                         "last backward of a step (True before the last), DeepSpeed's documented way")
+    parser.add_argument("--no-accumulate", action="store_true",
+                        help="accelerate loop: no accelerator.accumulate() (the accumulation left to DeepSpeed's count)")
+    parser.add_argument("--clip-call", type=float, default=None, metavar="NORM",
+                        help="accelerate loop: accelerator.clip_grad_norm_(model.parameters(), NORM) after each "
+                        "backward that syncs (from the second step on: DeepSpeed steps inside accelerator.backward)")
     parser.add_argument("--stock", action="store_true", help="also run without dspatch, and report both")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -81,6 +86,10 @@ def _options(args, facts=None):
             raise Unmodelled("--group-lrs with the Trainer is not modelled (its optimizer makes its own groups)")
     if args.backwards > 1 and loop != "engine":
         raise Unmodelled("--backwards is a raw engine loop's shape (several engine.backward() before a step)")
+    if args.clip_call is not None and (loop != "accelerate" or args.clip_call < 0):
+        raise Unmodelled("--clip-call NORM is an accelerate loop's call: give --loop accelerate and a NORM of 0 or more")
+    if args.no_accumulate and loop != "accelerate":
+        raise Unmodelled("--no-accumulate is an accelerate loop's shape: give --loop accelerate")
     if args.boundary_call and args.backwards < 2:
         raise Unmodelled("--boundary-call marks the backwards of a step: give --backwards 2 or more")
     for name in ("ga", "micro_batch", "world_size"):
@@ -96,7 +105,8 @@ def _options(args, facts=None):
         raise Unmodelled("--bf16 and --fp16: give one")
     ranks = args.ranks or (2 if loop == "pipeline" else 1)
     options = default_options(loop=loop, ranks=ranks, steps=args.steps or 0, group_lrs=rates, model=args.model,
-                              head=args.head, backwards=args.backwards, boundary_call=args.boundary_call, **given)
+                              head=args.head, backwards=args.backwards, boundary_call=args.boundary_call,
+                              accumulate=not args.no_accumulate, clip_call=args.clip_call, **given)
     if args.steps is None:  # not given: a large accumulation compares its first steps only
         options["given"].remove("steps")
     return options
@@ -270,6 +280,10 @@ def skipped(the_plan, got):
 def describe(the_plan):
     stage = the_plan["stage"]
     loop = f"pipeline of {the_plan['stages']} stages" if the_plan["loop"] == "pipeline" else f"{the_plan['loop']} loop"
+    if not the_plan.get("accumulate", True):
+        loop += " without accumulate()"
+    if the_plan.get("clip_call") is not None:
+        loop += f" calling clip_grad_norm_({the_plan['clip_call']:g})"
     bits = [loop, f"ZeRO-{stage}", f"micro batch {the_plan['micro']}", f"GA {the_plan['accumulation']}",
             the_plan["precision"], f"{the_plan['ranks']} rank{'s' * (the_plan['ranks'] > 1)}"]
     if the_plan.get("world_size", 1) > 1:

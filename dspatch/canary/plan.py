@@ -110,7 +110,7 @@ def build_plan(config, options):
         raise Unmodelled("fp16 at ZeRO-0 is not modelled (on the CPU its optimizer wrapper trains without the loss "
                          "scale the config means): ZeRO-1, 2 and 3 are")
     per_epoch = 2 * ga + 1 if ga > 1 else 3  # the accumulation never divides an epoch: a last partial window
-    total = steps_taken(loop, per_epoch, ga)
+    total = steps_taken(loop, per_epoch, ga, accumulate=options["accumulate"])
     steps, why_steps = options["steps"], None
     if not steps and "steps" not in options.get("given", ()) and ga * options["backwards"] >= LARGE:
         steps = 2  # a large accumulation: its first steps, within the minute
@@ -160,16 +160,23 @@ def build_plan(config, options):
             "max_grad_norm": values["max_grad_norm"] if loop == "trainer" else None,
             "warmup_steps": values["warmup_steps"], "trainer_scheduler": options["scheduler"],
             "steps": steps, "early": early, "backwards": options["backwards"], "boundary_call": options["boundary_call"],
+            "accumulate": options["accumulate"], "clip_call": options["clip_call"],
             "stage": stage, "offloaded": offloaded, "device": options.get("device", "cpu"), "seed": 0,
             "read": {"batch": read_words, "filled": filled, "scaled": scaled, "ratio": ratio, "steps_why": why_steps},
             "given": options.get("given", [])}
 
 
-def steps_taken(loop, per_epoch, ga, epochs=EPOCHS):
-    """The optimizer steps a loop takes over `epochs` of `per_epoch` micro-batches at accumulation `ga`: the raw
-    engine loop (and a pipeline's train_batch) steps where DeepSpeed's own count says, over the whole stream (a last
-    partial window is never applied); accelerate's `accumulate` and the Trainer end a window with each epoch."""
-    if loop in ("engine", "pipeline") or (loop == "trainer" and version_of("transformers") < (4, 47)):  # the Trainer's own count
+def deepspeed_counts(loop, accumulate=True):
+    """Whether DeepSpeed's own count of micro-steps decides the loop's windows: the raw engine loop, a pipeline's
+    train_batch, and an accelerate loop without `accumulate()` (which leaves the accumulation to DeepSpeed)."""
+    return loop in ("engine", "pipeline") or (loop == "accelerate" and not accumulate)
+
+
+def steps_taken(loop, per_epoch, ga, epochs=EPOCHS, accumulate=True):
+    """The optimizer steps a loop takes over `epochs` of `per_epoch` micro-batches at accumulation `ga`: where DeepSpeed
+    counts (deepspeed_counts), where its count says, over the whole stream (a last partial window is never applied);
+    accelerate's `accumulate` and the Trainer end a window with each epoch."""
+    if deepspeed_counts(loop, accumulate) or (loop == "trainer" and version_of("transformers") < (4, 47)):
         return (epochs * per_epoch) // ga
     return epochs * -(-per_epoch // ga)
 
@@ -178,7 +185,8 @@ def default_options(**given):
     """The command's options as plan() takes them, its defaults where not given."""
     options = {"loop": "engine", "ranks": 1, "steps": 6, "group_lrs": None, "micro_batch": 1, "accumulation": 1,
                "lr": 0.05, "max_grad_norm": 1.0, "warmup_steps": 0, "scheduler": "constant", "precision": "fp32",
-               "model": "llama", "head": "causal", "backwards": 1, "boundary_call": False,
+               "model": "llama", "head": "causal", "backwards": 1, "boundary_call": False, "accumulate": True,
+               "clip_call": None,
                "device": os.environ.get("DS_ACCELERATOR", "cpu"),
                "world_size": None, "model_params": None}
     unknown = sorted(set(given) - set(options) - {"given"})

@@ -13,14 +13,15 @@ def windows(plan):
     """[(micro-batch index, divisor)] per optimizer step, over the plan's epochs, as its loop means them:
     - the raw engine loop: DeepSpeed's own count over the whole stream, each backward's loss divided by GA, a last
       partial window never applied (each `engine.step()` call consumes `backwards` micro-batches);
-    - an accelerate loop under `accumulate`: windows end with each epoch, each loss divided by GA;
+    - an accelerate loop under `accumulate`: windows end with each epoch, each loss divided by GA (without
+      `accumulate`, DeepSpeed's own count, as the raw engine loop);
     - the Trainer: windows end with each epoch; a causal LM's loss is its tokens' mean over the window (4.46+), a head
       with a mean loss divided by the window's length (4.55+) or GA."""
-    from dspatch.canary.plan import version_of
+    from dspatch.canary.plan import deepspeed_counts, version_of
 
     ga, per_epoch, epochs, calls = plan["accumulation"], plan["per_epoch"], plan["epochs"], plan["backwards"]
     steps = []
-    if plan["loop"] in ("engine", "pipeline"):  # a pipeline's train_batch takes GA micro-batches of the stream
+    if deepspeed_counts(plan["loop"], plan.get("accumulate", True)):  # a pipeline's train_batch: GA micro-batches
         stream = [(epoch, index) for epoch in range(epochs) for index in range(per_epoch)]
         for start in range(0, len(stream) - ga + 1, ga):
             steps.append([(i * calls + c, ga) for _, i in stream[start:start + ga] for c in range(calls)])
@@ -124,6 +125,10 @@ def replay(plan, got):
     steps, taken = [], 0  # taken: the steps applied (a skipped one advances neither the schedule nor the optimizer)
     for window, theirs in zip(plan_windows, got["steps"]):
         step_rates = table[min(taken, len(table) - 1)]
+        if plan.get("clip_call") is not None and steps:
+            # the loop's accelerator.clip_grad_norm_(params, NORM): DeepSpeed steps inside accelerator.backward,
+            # before the call, so the first step clips as configured, and NORM is what the loop asks for after it
+            clip = float(plan["clip_call"])
         with torch.no_grad():  # DeepSpeed's weights before this step, on both copies
             for n, p in named:
                 masters[n].copy_(before[n])

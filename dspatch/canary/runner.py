@@ -192,6 +192,8 @@ def _every_ranks(plan, batches):
 
 
 def _accelerate_loop(plan, model, batches, record):
+    import contextlib
+
     import torch
 
     from dspatch.canary.model import groups, optimizer_of
@@ -217,9 +219,11 @@ def _accelerate_loop(plan, model, batches, record):
         scheduler = None
     for _ in range(plan["epochs"]):
         for batch in loader:
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model) if plan.get("accumulate", True) else contextlib.nullcontext():
                 loss = model(**batch).loss
                 accelerator.backward(loss)
+                if plan.get("clip_call") is not None and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), plan["clip_call"])
                 record.loss(loss)
                 optimizer.step()
                 if scheduler is not None:

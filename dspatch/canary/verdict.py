@@ -24,6 +24,7 @@ SHAPES = {
     "adam_step_early": "Adam's first step taken as its second",
     "clipping": "the clipping asked for not applied",
     "stage_clipping": "a pipeline clipped by another norm",
+    "clip_call": "the max_norm the loop's accelerator.clip_grad_norm_ asked for not applied",
     "grad_norm": "the reported gradient norm off",
     "windows": "another number of optimizer steps than the loop means",
     "unsharded": "each rank trained on every rank's micro-batches",
@@ -211,7 +212,7 @@ def compare(plan, got, want, start):
 
         ranks = plan["data_ranks"]
         if ranks > 1 and len(got["steps"]) == steps_taken(plan["loop"], plan["per_epoch"] * ranks, plan["accumulation"],
-                                                          plan["epochs"]):
+                                                          plan["epochs"], plan.get("accumulate", True)):
             return {"step": min(len(got["steps"]), want["count"]) + 1, "what": "steps", "code": "unsharded",
                     "words": f"DeepSpeed took {len(got['steps'])} optimizer steps where the loop means "
                              f"{want['count']}: as many as one rank takes over every rank's micro-batches (the data "
@@ -262,6 +263,8 @@ def compare(plan, got, want, start):
             elif theirs.get("clipped"):
                 # a pipeline clips with a norm gathered across its stages: a shape of its own
                 code = "stage_clipping" if len(got.get("stages") or ()) > 1 else "clipping"
+                if plan.get("clip_call") is not None and number > 1:  # what the loop's own call asked for
+                    code = "clip_call"
                 words += (f" (it clips this step's gradient of norm {theirs['grad_norm']:.4g} to {theirs['clipped']}: "
                           f"DeepSpeed's clipping is another{' on this pipeline' if code == 'stage_clipping' else ''})")
             return {"step": number, "what": "update", "code": code, "words": words}
