@@ -37,7 +37,9 @@ def pin_conflicts(state, name, version):
 def upgrade(pins):
     """For every known bug the pins have (a patch's or not), the first release that fixes it upstream; and the
     smallest upgrade of the exact pins that clears all of them without dspatch: per package, the lowest release at
-    or above its pin where none of the bugs of that package (or that need it) is there, with the other packages
+    or above its pin where none of the bugs of that package (or that need it) is there (a bug no release fixes yet
+    does not count against a release: no upgrade avoids it for good, and a move that brings it in says so, as
+    introduced), with the other packages
     as chosen, until nothing changes (a bug a move brings into another package is allowed where a release of that
     package clears it: the next round moves it). A release whose requirements an exact pin of another package misses
     takes that package along, to its lowest release that meets them (trl 1.16.0 needs transformers >= 4.56.2); one
@@ -72,6 +74,14 @@ def upgrade(pins):
             trial[other], why[other] = Pin(other, versions=[fit]), (fit, f"{name} {version} requires {other}{spec}")
         return trial, why
 
+    def open_upstream(state, item):
+        """Whether the newest release of the item's package still has it (with the rest of `state`): no move of that
+        package clears it, so a move of another package that brings it in is not ruled out by it (it is said, as
+        introduced)."""
+        name = canonical(item.distribution)
+        newest = max(RELEASES.get(name, ()) or [release(state, name)], key=Version)
+        return has_bug(item, newest, {**state, name: Pin(name, versions=[newest])})
+
     def clears(state, item):
         """Whether a release of the item's package at or above its pin in `state` is free of it (with the rest of
         `state`): a bug a move brings into another package, that a move of that package takes out again."""
@@ -96,8 +106,9 @@ def upgrade(pins):
             best = None  # the lowest release with the fewest of its own bugs (none, where one clears them all)
             for candidate in newer(state, name):
                 trial, why = moved(state, name, candidate)
-                if trial is not None and all(i.id in before or clears(trial, i) for i in bugs(trial, needing)):
-                    count = len(bugs(trial, own))
+                if trial is not None and all(i.id in before or clears(trial, i) or open_upstream(trial, i)
+                                             for i in bugs(trial, needing)):
+                    count = len([i for i in bugs(trial, own) if not open_upstream(trial, i)])
                     if best is None or count < best[0]:
                         best = (count, candidate, trial, why)
                     if not count:
