@@ -11,8 +11,8 @@ boundary, `engine.backward()` only accumulates (each loss divided by the config'
 `engine.set_gradient_accumulation_boundary(sync_gradients)` before every backward, which the mode refuses by an
 assertion. Through accelerate the caller's boundary is well defined: it is where accelerate syncs.
 
-The fix: for an engine in that mode, the wrapper runs `engine.backward(loss)` and, where accelerate syncs,
-`engine.step()`; it never overrides the boundary, so the engine stays in the mode the user chose. Every other engine
+The fix: for an engine in that mode, `accelerator.backward` runs `engine.backward(loss)` and, where accelerate
+syncs, `engine.step()`; it never overrides the boundary, so the engine stays in the mode the user chose. Every other engine
 (the default managed mode, deepspeed < 0.19.4) goes through stock, to the bit.
 
 Proven on the latest stack (accelerate 1.15.0, deepspeed 0.19.8): 6 micro-batches at accumulation 3 in an
@@ -21,25 +21,29 @@ with the assertion.
 """
 from dspatch.spec import Patch, Signature
 
-DEEPSPEED = "accelerate.utils.deepspeed"
-BACKWARD = "DeepSpeedEngineWrapper.backward"
-FINGERPRINTS = {(DEEPSPEED, BACKWARD): {"920954e8dbea5457": "1.8.0-1.15.0"}}
+ACCELERATOR = "accelerate.accelerator"
+BACKWARD = "Accelerator.backward"
+FINGERPRINTS = {(ACCELERATOR, BACKWARD): {"5ed0426610c1ddd8": "1.8.0-1.15.0"}}
 
 
-def step_where_accelerate_syncs(wrapped, wrapper, args, kwargs):
-    """DeepSpeedEngineWrapper.backward(loss, sync_gradients=True, **kwargs)."""
-    engine = wrapper.engine
-    managed = getattr(engine, "managed_gradient_accumulation", None)
-    if not callable(managed) or managed():
+def step_where_accelerate_syncs(wrapped, accelerator, args, kwargs):
+    """Accelerator.backward(loss, **kwargs): for an engine in DeepSpeed's caller-owned mode, its backward, and its
+    step where accelerate syncs (accelerate's DeepSpeedEngineWrapper.backward, which overrides the boundary, is not
+    called: accelerate/deepspeed-steps-without-accumulate wraps that one)."""
+    from accelerate.utils import DistributedType
+
+    wrapper = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    managed = getattr(getattr(wrapper, "engine", None), "managed_gradient_accumulation", None)
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or not callable(managed) or managed():
         return wrapped(*args, **kwargs)
 
-    def split(loss, sync_gradients=True, **rest):
-        return loss, sync_gradients, rest
+    def split(loss, **rest):
+        return loss, rest
 
-    loss, sync_gradients, rest = split(*args, **kwargs)
-    engine.backward(loss, **rest)
-    if sync_gradients:
-        engine.step()
+    loss, rest = split(*args, **kwargs)
+    wrapper.engine.backward(loss, **rest)
+    if accelerator.sync_gradients:
+        wrapper.engine.step()
 
 
 def apply(txn):
@@ -64,11 +68,11 @@ PATCH = Patch(
     links=("https://github.com/huggingface/accelerate/pull/3630", "https://github.com/deepspeedai/DeepSpeed/pull/8184",
            "https://github.com/deepspeedai/DeepSpeed/pull/8225"),
     diffs=("accelerate/0009-deepspeed-unmanaged-accumulation-1.8.0-1.15.0.patch",),
-    # the assertion a caller of set_gradient_accumulation_boundary gets in that mode: accelerate's wrapper's frame
-    # tells this cause (no upstream thread quotes the log yet)
+    # the assertion a caller of set_gradient_accumulation_boundary gets in that mode: accelerate's frames tell this
+    # cause (no upstream thread quotes the log yet)
     signatures=(Signature(r"set_gradient_accumulation_boundary\(\) is not supported with "
                           r"managed_gradient_accumulation=False", error="AssertionError",
                           needs=(r"accelerate[/\\]utils[/\\]deepspeed\.py",)),),
-    note=("DeepSpeedEngineWrapper.backward is wrapped: an engine with managed_gradient_accumulation false is stepped "
+    note=("Accelerator.backward is wrapped: an engine with managed_gradient_accumulation false is stepped "
           "where accelerate syncs, its boundary never overridden"),
 )
