@@ -197,7 +197,7 @@ tf444_ds16 = proving_session("tf444_ds16", TF444_DS16, "transformers/deepspeed-p
                              "transformers 4.44.2 with deepspeed 0.16.3", proofs=PROOFS)
 ds0183 = proving_session("ds0183", SMALL["ds0183"],
                          "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
-                         "backward-scale-wrt-gas; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
+                         "backward-scale-wrt-gas, direct-backward-gas-per-tensor; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
                          "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of "
                          "zero3-allreduce-fetch-padding, 0.18.3-0.18.4 of zero12-backward-twice; "
                          "zero3-moe-leaf-modules' own tests (the user's choices win)", also=["tests/test_canary.py"])
@@ -208,10 +208,11 @@ ds0182 = proving_session("ds0182", SMALL["ds0182"],
 ds0192 = proving_session("ds0192", SMALL["ds0192"],
                          "ZeRO-3 + LoRA's fp32 adapters on a bf16 base (zero3-lora-mixed-dtype-allgather); a gather "
                          "handle waited twice (zero3-gather-handle-waited-once); the 0.18.5-0.19.7 bands of "
-                         "zero12-backward-twice")
+                         "zero12-backward-twice; loss.backward() divided per output (direct-backward-gas-per-tensor)")
 ds0198 = proving_session("ds0198", SMALL["ds0198"],
                          "deepspeed >= 0.19.3 refusing the warmup of 0 that transformers < 5.18 and accelerate < 1.15 "
-                         "fill (transformers/deepspeed-warmup-zero, accelerate/deepspeed-warmup-zero)")
+                         "fill (transformers/deepspeed-warmup-zero, accelerate/deepspeed-warmup-zero); loss.backward() "
+                         "divided per output (deepspeed/direct-backward-gas-per-tensor)")
 ds0176 = proving_session("ds0176", SMALL["ds0176"],
                          "bf16 at stage 0 on 0.17.6: load_checkpoint fails on the ZeRO path (zero0-bf16-checkpoint)")
 

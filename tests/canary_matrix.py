@@ -34,7 +34,31 @@ def configurations(loop):
         found += [(f"ZeRO-{stage} bf16, 2 backwards a step", build_plan(
             {"zero_optimization": {"stage": stage}}, default_options(precision="bf16", backwards=2)))
             for stage in (0, 1, 2, 3)]
+    if STACK in FULL:  # the loops of catalogue 6 (issue 58), each where its bug was, with nothing wrong
+        found += _catalogue_6_loops(loop)
     return found
+
+
+def _catalogue_6_loops(loop):
+    """The engine loop's loss.backward() (ZeRO-1-3 x fp32/bf16 at GA 3, and fp16 on the scaled loss); the accelerate
+    loop without accumulate() (ZeRO 0-3 at GA 3) and calling clip_grad_norm_ at a norm other than the config's."""
+    from dspatch.canary.plan import build_plan, default_options
+
+    if loop == "engine":
+        plans = [(f"ZeRO-{stage} GA 3 {precision}, loss.backward()", build_plan(
+            {"zero_optimization": {"stage": stage}}, default_options(accumulation=3, precision=precision,
+                                                                      backward="torch")))
+            for stage, precision in itertools.product((1, 2, 3), ("fp32", "bf16"))]
+        return plans + [("fp16 ZeRO-2 GA 3 static 128, engine.scale(loss).backward()", build_plan(
+            {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "loss_scale": 128}},
+            default_options(accumulation=3, backward="torch")))]
+    if loop == "accelerate":
+        return [(f"ZeRO-{stage} GA 3, no accumulate()", build_plan(
+            {"zero_optimization": {"stage": stage}}, default_options(loop=loop, accumulation=3, accumulate=False)))
+            for stage in (0, 1, 2, 3)] + [(f"ZeRO-{stage} GA 3, clip_grad_norm_(0.3) under clipping 1.0", build_plan(
+                {"zero_optimization": {"stage": stage}, "gradient_clipping": 1.0},
+                default_options(loop=loop, accumulation=3, clip_call=0.3))) for stage in (1, 2)]
+    return []
 
 
 def quiet_two_ranks(loop):

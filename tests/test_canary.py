@@ -153,6 +153,8 @@ CASES = {
         "stage": 2, "offload_optimizer": {"device": "cpu"}}}, "middle_dropped"),
     "deepspeed/zero2-grad-accum-last-microbatch": (["--ga", "3"], Z2, "last_only"),
     "deepspeed/output-hooks-gas-per-tensor": (["--ga", "3"], Z2, "divided_twice"),
+    # out.loss.backward() on the engine's output: the logits divided again after the loss (0.18.3 on)
+    "deepspeed/direct-backward-gas-per-tensor": (["--backward", "torch", "--ga", "3"], Z2, "torch_backward_divided"),
     # the Trainer's output holds the logits too: on 0.18.3 they are divided again (output-hooks-gas-per-tensor), and
     # either patch alone sets the Trainer right, so the stock run leaves both out (ALSO_OUT)
     "deepspeed/backward-scale-wrt-gas": (["--loop", "trainer", "--ga", "3"], Z2, "divided_twice"),

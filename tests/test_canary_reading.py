@@ -145,5 +145,8 @@ def test_an_accelerate_yaml_is_read_by_accelerates_own_code(tmp_path):
 def test_a_misspelt_option_is_refused_not_run_as_another_plan():
     from dspatch.canary.plan import default_options
 
-    with pytest.raises(TypeError, match="unknown canary options: backward"):
+    with pytest.raises(TypeError, match="unknown canary options: accumulations"):
+        default_options(accumulations=2)
+    # `backward` is an option (engine or torch) and `backwards` a count: one given for the other is refused too
+    with pytest.raises(TypeError, match="backward: 'engine' or 'torch', not 2"):
         default_options(backward=2)

@@ -61,6 +61,9 @@ def arguments(parser):
     parser.add_argument("--clip-call", type=float, default=None, metavar="NORM",
                         help="accelerate loop: accelerator.clip_grad_norm_(model.parameters(), NORM) after each "
                         "backward that syncs (from the second step on: DeepSpeed steps inside accelerator.backward)")
+    parser.add_argument("--backward", choices=("engine", "torch"), default="engine",
+                        help="engine loop: engine.backward(loss) (default) or loss.backward() on the engine's output, "
+                        "the PyTorch-style backward DeepSpeed supports from 0.18.3")
     parser.add_argument("--stock", action="store_true", help="also run without dspatch, and report both")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -90,6 +93,13 @@ def _options(args, facts=None):
         raise Unmodelled("--clip-call NORM is an accelerate loop's call: give --loop accelerate and a NORM of 0 or more")
     if args.no_accumulate and loop != "accelerate":
         raise Unmodelled("--no-accumulate is an accelerate loop's shape: give --loop accelerate")
+    if args.backward == "torch":
+        from dspatch.canary.plan import version_of
+
+        if loop != "engine":
+            raise Unmodelled("--backward torch is a raw engine loop's call: give --loop engine")
+        if version_of("deepspeed") < (0, 18, 3):
+            raise Unmodelled("--backward torch: DeepSpeed supports loss.backward() on its engine's output from 0.18.3")
     if args.boundary_call and args.backwards < 2:
         raise Unmodelled("--boundary-call marks the backwards of a step: give --backwards 2 or more")
     for name in ("ga", "micro_batch", "world_size"):
@@ -106,7 +116,8 @@ def _options(args, facts=None):
     ranks = args.ranks or (2 if loop == "pipeline" else 1)
     options = default_options(loop=loop, ranks=ranks, steps=args.steps or 0, group_lrs=rates, model=args.model,
                               head=args.head, backwards=args.backwards, boundary_call=args.boundary_call,
-                              accumulate=not args.no_accumulate, clip_call=args.clip_call, **given)
+                              accumulate=not args.no_accumulate, clip_call=args.clip_call, backward=args.backward,
+                              **given)
     if args.steps is None:  # not given: a large accumulation compares its first steps only
         options["given"].remove("steps")
     return options
@@ -284,6 +295,8 @@ def describe(the_plan):
         loop += " without accumulate()"
     if the_plan.get("clip_call") is not None:
         loop += f" calling clip_grad_norm_({the_plan['clip_call']:g})"
+    if the_plan.get("backward") == "torch":
+        loop += " with loss.backward()"
     bits = [loop, f"ZeRO-{stage}", f"micro batch {the_plan['micro']}", f"GA {the_plan['accumulation']}",
             the_plan["precision"], f"{the_plan['ranks']} rank{'s' * (the_plan['ranks'] > 1)}"]
     if the_plan.get("world_size", 1) > 1:

@@ -109,6 +109,9 @@ def build_plan(config, options):
     if precision == "fp16" and not stage:
         raise Unmodelled("fp16 at ZeRO-0 is not modelled (on the CPU its optimizer wrapper trains without the loss "
                          "scale the config means): ZeRO-1, 2 and 3 are")
+    if options.get("backward") == "torch" and not stage:
+        raise Unmodelled("--backward torch at ZeRO-0: DeepSpeed refuses loss.backward() there (a ZeRO optimizer "
+                         "only); engine.backward(loss) is its loop")
     per_epoch = 2 * ga + 1 if ga > 1 else 3  # the accumulation never divides an epoch: a last partial window
     total = steps_taken(loop, per_epoch, ga, accumulate=options["accumulate"])
     steps, why_steps = options["steps"], None
@@ -161,6 +164,7 @@ def build_plan(config, options):
             "warmup_steps": values["warmup_steps"], "trainer_scheduler": options["scheduler"],
             "steps": steps, "early": early, "backwards": options["backwards"], "boundary_call": options["boundary_call"],
             "accumulate": options["accumulate"], "clip_call": options["clip_call"],
+            "backward": options["backward"],
             "stage": stage, "offloaded": offloaded, "device": options.get("device", "cpu"), "seed": 0,
             "read": {"batch": read_words, "filled": filled, "scaled": scaled, "ratio": ratio, "steps_why": why_steps},
             "given": options.get("given", [])}
@@ -186,13 +190,15 @@ def default_options(**given):
     options = {"loop": "engine", "ranks": 1, "steps": 6, "group_lrs": None, "micro_batch": 1, "accumulation": 1,
                "lr": 0.05, "max_grad_norm": 1.0, "warmup_steps": 0, "scheduler": "constant", "precision": "fp32",
                "model": "llama", "head": "causal", "backwards": 1, "boundary_call": False, "accumulate": True,
-               "clip_call": None,
+               "clip_call": None, "backward": "engine",
                "device": os.environ.get("DS_ACCELERATOR", "cpu"),
                "world_size": None, "model_params": None}
     unknown = sorted(set(given) - set(options) - {"given"})
     if unknown:  # a misspelt option would otherwise be a run of another plan, silently
         raise TypeError(f"unknown canary options: {', '.join(unknown)} (known: {', '.join(sorted(options))})")
     options.update(given)
+    if options["backward"] not in ("engine", "torch"):  # not to be mistaken for `backwards`, a count
+        raise TypeError(f"backward: 'engine' or 'torch', not {options['backward']!r} (backwards: the count)")
     options["given"] = sorted(set(given) - {"given"} | set(given.get("given", ())))
     return options
 

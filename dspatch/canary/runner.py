@@ -132,7 +132,10 @@ def _engine_loop(plan, model, batches, record):
                 if plan["boundary_call"]:  # the step's last backward is its boundary, the others not
                     engine.set_gradient_accumulation_boundary(k == per_step - 1)
                 loss = engine(**_on(batch)).loss
-                engine.backward(loss)
+                if plan.get("backward") == "torch":  # the PyTorch-style backward (fp16: on the scaled loss)
+                    (engine.scale(loss) if plan["precision"] == "fp16" else loss).backward()
+                else:
+                    engine.backward(loss)
                 record.loss(loss)
             engine.step()
     return engine

@@ -8,6 +8,7 @@ FP32 = 1e-5
 # Every shape of divergence the comparison tells, one line each: the codes a patch's `canary` names (spec.Patch).
 SHAPES = {
     "divided_twice": "the gradient divided by GA once too often (or twice: two bugs at once)",
+    "torch_backward_divided": "loss.backward() on the engine's output: the gradient divided by GA once too often",
     "not_divided": "the gradient never divided by GA",
     "loss_scale": "the gradient multiplied or divided by a loss scale of 65536",
     "scaled": "the gradient another multiple of the reference",
@@ -248,6 +249,8 @@ def compare(plan, got, want, start):
             parts = [_flat(part, names) for part in theirs["parts"]]
             code, words = stage_shape(given, theirs["gradient"], got.get("stages") or [], plan["accumulation"], tol) or \
                 gradient_shape(applied, wanted, parts, earlier, plan["accumulation"], tol)
+            if code == "divided_twice" and plan.get("backward") == "torch":  # the loop's own backward: a shape of its own
+                code = "torch_backward_divided"
             return {"step": number, "what": "gradient", "code": code, "words": f"the gradient is {words}"}
         after, predicted = _flat(mine["weights"], names), _flat(theirs["weights"], names)
         moved = after - before
