@@ -52,6 +52,14 @@ KNOWN = (
                  "https://github.com/deepspeedai/DeepSpeed/pull/8245"),
           note=("measured on 0.18.3 and 0.19.2 at GA 2 (every ZeRO stage, fp32 and bf16, one rank or two): the "
                 "branch around the engine counts exactly GA times; right on 0.19.8")),
+    Known("deepspeed/zero-to-fp32-int-buffers", "deepspeed", "<0.19.8", "0.19.8",
+          effect=("zero_to_fp32 (get_fp32_state_dict_from_zero_checkpoint) writes integer and bool buffers as "
+                  "float32: an int64 above 2^24 (offsets, indices) comes back another number, silently"),
+          advice=("load the consolidated state dict into the model (load_state_dict copies into its own dtypes) "
+                  "and re-save it, check integer buffers above 2^24, or upgrade to 0.19.8"),
+          links=("https://github.com/deepspeedai/DeepSpeed/pull/8515",),
+          note=("read in the released sources: `v.float()` for every buffer from 0.9.0 to 0.19.7, and 0.19.7's "
+                "dtype-selectable export casts them too; 0.19.8 casts floating buffers only")),
 )
 
 
