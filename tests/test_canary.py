@@ -182,6 +182,9 @@ CASES = {
     "deepspeed/unfused-optimizer-init-step": (["--bf16"], {"zero_optimization": {"stage": 0}}, "adam_step_early"),
     "deepspeed/zero12-backward-twice": (["--backwards", "2"], Z2, "last_only"),
     "accelerate/cpu-multi-process": (["--loop", "trainer", "--ranks", "2", "--ga", "3"], Z2, "unsharded"),
+    # on the CPU, without contiguous gradients, no rank's gradient is all-reduced (< 0.19.8)
+    "deepspeed/zero12-cpu-grads-not-reduced": (["--ranks", "2", "--ga", "3"], {"zero_optimization": {
+        "stage": 2, "contiguous_gradients": False}}, "not_averaged"),
     "deepspeed/zero12-offload-backward-twice": (["--backwards", "2"], {"zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "cpu"}}}, "last_only"),
     # a pipeline of 2 stages on 2 ranks (train_batch): 0.18.3-0.19.2 divide the first stage's gradient again,

@@ -17,6 +17,7 @@ SHAPES = {
     "piled_up": "earlier steps' gradients never cleared",
     "nan": "NaN or inf in the gradient",
     "other": "a gradient of no shape above",
+    "not_averaged": "2+ ranks: a gradient of no shape above, not the ranks' average (each rank's own, say)",
     "stage_divided": "a pipeline's earlier stages divided by GA again",
     "lr_groups": "a param group at another group's rate",
     "lr": "the rates of several groups off",
@@ -251,6 +252,8 @@ def compare(plan, got, want, start):
                 gradient_shape(applied, wanted, parts, earlier, plan["accumulation"], tol)
             if code == "divided_twice" and plan.get("backward") == "torch":  # the loop's own backward: a shape of its own
                 code = "torch_backward_divided"
+            elif code == "other" and plan["data_ranks"] > 1:  # where ranks average their gradients
+                code = "not_averaged"
             return {"step": number, "what": "gradient", "code": code, "words": f"the gradient is {words}"}
         after, predicted = _flat(mine["weights"], names), _flat(theirs["weights"], names)
         moved = after - before
