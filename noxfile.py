@@ -197,7 +197,9 @@ tf444_ds16 = proving_session("tf444_ds16", TF444_DS16, "transformers/deepspeed-p
                              "transformers 4.44.2 with deepspeed 0.16.3", proofs=PROOFS)
 ds0183 = proving_session("ds0183", SMALL["ds0183"],
                          "deepspeed 0.18.3's gradient scaling in output hooks: output-hooks-gas-per-tensor, "
-                         "backward-scale-wrt-gas, direct-backward-gas-per-tensor; bf16 at stage 0 (zero0-bf16-grads); pipelines (pipe-grad-accum-scale); "
+                         "backward-scale-wrt-gas, direct-backward-gas-per-tensor; bf16's checked skips "
+                         "(static-scaler-silent-skip); bf16 at stage 0 (zero0-bf16-grads); pipelines "
+                         "(pipe-grad-accum-scale); "
                          "the 0.17.2-0.18.9 band of lr-schedules-multigroup, 0.17.3-0.18.4 of "
                          "zero3-allreduce-fetch-padding, 0.18.3-0.18.4 of zero12-backward-twice; "
                          "zero3-moe-leaf-modules' own tests (the user's choices win)", also=["tests/test_canary.py"])
