@@ -257,13 +257,22 @@ def test_canary_catches_each_silent_bug_on_stock_and_passes_patched(pid, tmp_pat
     plan = _plan(config, args)
     # every patch but this one: the bug alone, not another one the same run meets (gloo's gathers, say)
     out = ",".join([pid, *ALSO_OUT.get(pid, [])])
-    stock = _record(tmp_path, plan, clean_env(DSPATCH="1", DSPATCH_DISABLE=out), "base")
+    if plan["ranks"] > 1:  # one torchrun job for both sides: stock, then the same plan with the patch applied
+        from dspatch.canary import deepspeed_side
+
+        stock, patched = deepspeed_side([plan, {**plan, "then_apply": [pid, *ALSO_OUT.get(pid, [])]}],
+                                        clean_env(DSPATCH="1", DSPATCH_DISABLE=out))
+        assert pid not in stock["applied"] and pid in patched["applied"], (stock["applied"], patched["applied"])
+    else:
+        stock = _record(tmp_path, plan, clean_env(DSPATCH="1", DSPATCH_DISABLE=out), "base")
+        patched = None
     found = judge(plan, stock)
     assert found, f"{pid}: the canary found nothing with every patch but {out} ({stock['applied']})"
     assert found["code"] in ({code} if isinstance(code, str) else code), found
     assert pid in [bug["id"] for bug in found["known"]], found
     assert next(b for b in found["known"] if b["id"] == pid)["fixes"], found
-    patched = _record(tmp_path, plan, clean_env(DSPATCH="1"), "stack")
+    if patched is None:
+        patched = _record(tmp_path, plan, clean_env(DSPATCH="1"), "stack")
     assert judge(plan, patched) is None, (judge(plan, patched), patched["error"])
 
 

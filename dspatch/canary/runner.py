@@ -11,6 +11,7 @@ the rates and the full gradient just before (DeepSpeed's safe_get_full_grad: ZeR
 reports and the fp32 weights after (safe_get_full_fp32_param: bf16's master copy).
 """
 import json
+import os
 import sys
 import traceback
 
@@ -329,8 +330,6 @@ CONFIG_CHECKS = {"fill_match": "accelerate", "deepspeed_config_process": "accele
 def _in_the_canary(trace):
     """Where an exception was raised in the canary's own code (not DeepSpeed's, transformers', accelerate's or
     torch's, which the canary calls): the function's name, else None."""
-    import os
-
     own = os.path.dirname(os.path.abspath(__file__))
     last = trace[-1] if trace else None
     return last.name if last and os.path.dirname(os.path.abspath(last.filename)) == own else None
@@ -369,12 +368,27 @@ def run(plan):
     return record
 
 
+def _apply_before(ids):
+    """A plan's `then_apply` (the tests' own key: a job of several ranks runs a bug's stock and patched sides in one
+    torchrun, the second plan applying the patch the first ran without): those patches applied now, in every rank,
+    DSPATCH_DISABLE notwithstanding. None when they are in force; else a record of the failure."""
+    import dspatch
+    from dspatch import _runtime
+
+    os.environ.pop("DSPATCH_DISABLE", None)  # it names them: the first plan's run left them out
+    dspatch.apply(ids)
+    missing = [pid for pid in ids if pid not in _runtime.applied_ids()]
+    if not missing:
+        return None
+    record = Record()
+    record.error = f"{UNMODELLED}then_apply: {', '.join(missing)} not applied in this run"
+    return record
+
+
 def _stop_the_job(out, error):
     """A rank whose run failed: its peers wait for it in a collective (a pipeline's stages run different code, so one
     may fail alone). Its error goes to OUT.rankN.error for the command to report, and the rank exits at once, which
     makes torchrun (or launch_ranks) stop the others."""
-    import os
-
     rank = int(os.environ.get("RANK", "0"))
     with open(f"{out}.rank{rank}.error", "w", encoding="utf-8") as f:
         f.write(error)
@@ -395,7 +409,10 @@ def main(argv):
         plans = json.load(f)
     records = []
     for one in plans if isinstance(plans, list) else [plans]:
-        record = run(one)
+        if one.get("then_apply"):
+            record = _apply_before(one["then_apply"]) or run(one)
+        else:
+            record = run(one)
         if record.error and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             _stop_the_job(argv[1], record.error)
         records.append(record.as_dict(_runtime.applied_ids()))
