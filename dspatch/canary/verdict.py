@@ -17,7 +17,8 @@ SHAPES = {
     "piled_up": "earlier steps' gradients never cleared",
     "nan": "NaN or inf in the gradient",
     "other": "a gradient of no shape above",
-    "not_averaged": "2+ ranks: a gradient of no shape above, not the ranks' average (each rank's own, say)",
+    "not_averaged": ("a gradient of no shape above where ZeRO-1/2 reduce through their non-contiguous path (2+ ranks "
+                     "on the CPU, contiguous_gradients false)"),
     "stage_divided": "a pipeline's earlier stages divided by GA again",
     "lr_groups": "a param group at another group's rate",
     "lr": "the rates of several groups off",
@@ -48,6 +49,14 @@ BF16_PER_ROUNDING = 2.0 ** -8
 # fp16 keeps 11 significant bits: its unit roundoff is 2^-11, counted as bf16's (the loss scale keeps the gradients
 # in fp16's normal range; a step whose scaled gradient overflows is skipped, not compared)
 PER_ROUNDING = {"bf16": BF16_PER_ROUNDING, "fp16": 2.0 ** -11}
+
+
+def unreduced_here(plan):
+    """Whether the run reduces its gradients through ZeRO-1/2's non-contiguous path between ranks on the CPU (where
+    releases before 0.19.8 all-reduce nothing): a gradient of no other shape there is told apart from any other."""
+    zero = plan["config"].get("zero_optimization") or {}
+    return (plan["data_ranks"] > 1 and plan.get("device", "cpu") == "cpu" and plan["stage"] in (1, 2)
+            and zero.get("contiguous_gradients") is False)
 
 
 def tolerance(plan):
@@ -252,7 +261,7 @@ def compare(plan, got, want, start):
                 gradient_shape(applied, wanted, parts, earlier, plan["accumulation"], tol)
             if code == "divided_twice" and plan.get("backward") == "torch":  # the loop's own backward: a shape of its own
                 code = "torch_backward_divided"
-            elif code == "other" and plan["data_ranks"] > 1:  # where ranks average their gradients
+            elif code == "other" and unreduced_here(plan):
                 code = "not_averaged"
             return {"step": number, "what": "gradient", "code": code, "words": f"the gradient is {words}"}
         after, predicted = _flat(mine["weights"], names), _flat(theirs["weights"], names)

@@ -17,10 +17,11 @@ already divided.
 The fix undoes the second division where it happens, on the edge it happens on: after a forward whose hooked outputs
 lie on one another's graph (found by a search of at most 64 autograd nodes from each, as the engine.backward patch
 searches), a hook on the autograd node that hands the gradient from one hooked output's graph to another hooked output
-multiplies that gradient by GA, in a backward where the first output's hook divided it. Every path from the loss to a
-weight is then divided exactly once, whatever the backward starts from: `out.loss`, a loss computed outside from the
-logits (no edge crossed, nothing changed), or both added (`out.loss + z_loss(out.logits)`: the loss's share divided
-once, the other share once, as plain torch's `/ GA`). Where the hooks divide nothing (engine.backward from 0.19.6, or
+multiplies that gradient by GA, in a backward where the first output's hook divided it. Every path from the outputs to
+a weight is then divided exactly once, whichever of them the backward starts from: `out.loss`, a loss computed outside
+from the logits (no edge crossed, nothing changed), or both added (`out.loss + z_loss(out.logits)`: the loss's share
+divided once, the other share once, as plain torch's `/ GA`). (A gradient that enters the model's graph elsewhere, from
+a tensor captured inside the forward, is divided by no hook on stock either: left as it is.) Where the hooks divide nothing (engine.backward from 0.19.6, or
 with the earlier patch, `scale_wrt_gas=False`, functorch), nothing is multiplied. Where the outputs hold one tensor, or
 tensors side by side, or at ZeRO-3 (whose module hooks hand back new output tensors, so the hooked logits are not on
 the loss's graph), or at accumulation 1, no hook is added and the numbers stay stock's to the bit. Hooked outputs more
@@ -40,8 +41,9 @@ FINGERPRINTS = {
     (UTILS, TRAVERSE): {"83bb57def87f8b2e": "0.18.3-0.19.8"},
     (UTILS, MAKE_HOOK): {"79095d7ccfec1b29": "0.18.3-0.19.8"},
 }
-# how many autograd nodes the search from one hooked output towards the others visits at most: a loss computed from
-# logits reaches them in under ten (shift, view, float, log-softmax, nll...); outputs not found by then count as apart
+# how many autograd nodes the search from one hooked output towards the others visits at most (breadth first): a loss
+# computed from logits reaches them in under ten (shift, view, float, log-softmax, nll...); outputs not found by then
+# count as apart
 NESTED_SEARCH = 64
 
 
@@ -63,9 +65,11 @@ def edges_between(hooked, limit=NESTED_SEARCH):
     stops = {node for node, _ in targets}
     found = {}
     for tensor, mark in hooked:
+        # breadth first: the nearest nodes first, so that a large branch of the loss (a regulariser over every
+        # weight) does not spend the budget before the few nodes to the logits are seen
         seen, todo = {tensor.grad_fn}, [tensor.grad_fn]
         while todo and len(seen) <= limit:
-            node = todo.pop()
+            node = todo.pop(0)
             for slot, edge in enumerate(node.next_functions):
                 if edge in targets:
                     slots, marks = found.setdefault(node, (set(), []))
@@ -129,7 +133,7 @@ def apply(txn):
             result = wrapped(*args, **kwargs)
         finally:
             managers.discard(id(manager))
-        hooked = pending.pop(manager, [])
+            hooked = pending.pop(manager, [])  # even if it raised: the entry would hold its own key alive
         engine = engine_of(manager)
         if len(hooked) > 1 and engine is not None and engine.gradient_accumulation_steps() != 1:
             for node, (slots, marks) in edges_between(hooked).items():

@@ -92,7 +92,7 @@ def nested(tensors, limit=NESTED_SEARCH):
     for tensor in tensors:
         seen, todo = {tensor.grad_fn}, [tensor.grad_fn]
         while todo and len(seen) <= limit:
-            for node, _ in todo.pop().next_functions:
+            for node, _ in todo.pop(0).next_functions:  # breadth first: the nearest nodes first
                 if node is not None and node not in seen:
                     if node in found:
                         return True

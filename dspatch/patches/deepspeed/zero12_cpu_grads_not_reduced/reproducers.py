@@ -6,7 +6,8 @@ parallelism means), computed on each rank from the same seeded data.
 Tolerance: relative 1e-6 on the weights (two ranks' fp32 gradients summed in another order); the bug leaves each
 rank's partition stepped on that rank's own gradient, more than a tenth off. Where the weights differ, a reproducer
 says "bug" only if they are exactly those of each rank stepping its partition with its own gradient, and fails with an
-error otherwise. On an accelerator (where the bug cannot happen) the same job checks that nothing changes.
+error otherwise. On an accelerator (where the bug cannot happen) the same job checks plain torch's weights within the
+tolerance.
 
 Loaded only by `--verify` and the tests (dspatch.spec.Patch.scenarios).
 """
