@@ -22,19 +22,12 @@ from dspatch.spec import Patch
 BF16 = "deepspeed.runtime.bf16_optimizer"
 STEP = "BF16_Optimizer.step"
 FINGERPRINTS = {(BF16, STEP): {"cb5f5a6a26f1f680": "0.19.8-0.19.8"}}
-# DeepSpeed 0.19.8's own words for a skipped step (runtime/fp16/loss_scaler.py), so that a log reads the same
-# whichever optimizer skipped
-SKIPPED = "[deepspeed] OVERFLOW! Skipping step. Gradients are non-finite, weights were not updated."
-
-
 def say_skipped(wrapped, optimizer, args, kwargs):
     result = wrapped(*args, **kwargs)
     if getattr(optimizer, "overflow", False) is True:
-        import logging
+        from dspatch.patches.skipped_step import say_skipped
 
-        from deepspeed.utils import log_dist
-
-        log_dist(SKIPPED, ranks=[0], level=logging.WARNING)
+        say_skipped()  # 0.19.8's own line, as its loss scaler writes it for the other optimizers
     return result
 
 

@@ -8,21 +8,16 @@ Loaded only by `dspatch verify` and the tests (dspatch.spec.Patch.scenarios).
 """
 from dspatch.spec import BugSeen, Proof
 
-SAID = "OVERFLOW! Skipping step"
-
 
 def skipped_step_lines(stage, grad_accum_dtype):
     """(steps DeepSpeed skipped, the lines DeepSpeed's logger wrote that say a step was skipped) for one step on a
     non-finite gradient."""
-    import logging
-
     import torch
 
+    from dspatch.patches.skipped_step import lines_saying_skipped
     from dspatch.scenario import init_deepspeed, lm_batches, tiny_llama
 
     deepspeed = init_deepspeed()
-    from deepspeed.utils import logger
-
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True},
               "zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": grad_accum_dtype}}
@@ -30,21 +25,10 @@ def skipped_step_lines(stage, grad_accum_dtype):
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=config)
     wrapper = type(engine.optimizer).__name__
-    lines = []
-
-    class Listen(logging.Handler):
-        def emit(self, record):
-            if SAID in record.getMessage():
-                lines.append(record.getMessage())
-
-    listen = Listen()
-    logger.addHandler(listen)
-    try:
+    with lines_saying_skipped() as lines:
         batch = lm_batches(1)[0]
         engine.backward(engine(**batch).loss * float("inf"))
         engine.step()
-    finally:
-        logger.removeHandler(listen)
     return engine.skipped_steps, lines, wrapper
 
 

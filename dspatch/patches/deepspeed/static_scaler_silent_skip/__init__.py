@@ -25,18 +25,12 @@ from dspatch.spec import Patch
 SCALER = "deepspeed.runtime.fp16.loss_scaler"
 UPDATE = "LossScalerBase.update_scale"
 FINGERPRINTS = {(SCALER, UPDATE): {"b2d4e1b39c2869f2": "0.14.0-0.19.7"}}
-# DeepSpeed 0.19.8's own words for a skipped step (runtime/fp16/loss_scaler.py), so that a log reads as that release's
-SKIPPED = "[deepspeed] OVERFLOW! Skipping step. Gradients are non-finite, weights were not updated."
-
-
 def say_skipped(wrapped, scaler, args, kwargs):
     result = wrapped(*args, **kwargs)
-    if bool(args[0] if args else kwargs["overflow"]):
-        import logging
+    if bool(args[0] if args else kwargs["overflow"]):  # told of an overflow: the step is being skipped
+        from dspatch.patches.skipped_step import say_skipped
 
-        from deepspeed.utils import log_dist
-
-        log_dist(SKIPPED, ranks=[0], level=logging.WARNING)
+        say_skipped()
     return result
 
 

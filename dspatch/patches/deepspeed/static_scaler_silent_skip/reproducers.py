@@ -10,22 +10,17 @@ Loaded only by `dspatch verify` and the tests (dspatch.spec.Patch.scenarios).
 """
 from dspatch.spec import BugSeen, Proof
 
-SAID = "OVERFLOW! Skipping step"
-
 
 def skipped_step_lines(precision):
     """(steps DeepSpeed skipped, the lines DeepSpeed's logger wrote that say a step was skipped) for one ZeRO-2 step on
     a non-finite gradient in `precision` ("fp16": a static loss scale of 128; "bf16": its check on)."""
-    import logging
-
     import torch
 
     from dspatch.canary.runner import allow_fp16_on_the_cpu
+    from dspatch.patches.skipped_step import lines_saying_skipped
     from dspatch.scenario import init_deepspeed, lm_batches, tiny_llama
 
     deepspeed = init_deepspeed()
-    from deepspeed.utils import logger
-
     allow_fp16_on_the_cpu()
     precision_config = ({"fp16": {"enabled": True, "loss_scale": 128}} if precision == "fp16"
                         else {"bf16": {"enabled": True, "check_grad_overflow": True}})
@@ -35,21 +30,10 @@ def skipped_step_lines(precision):
     model = tiny_llama()
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=config)
-    lines = []
-
-    class Listen(logging.Handler):
-        def emit(self, record):
-            if SAID in record.getMessage():
-                lines.append(record.getMessage())
-
-    listen = Listen()
-    logger.addHandler(listen)
-    try:
+    with lines_saying_skipped() as lines:
         batch = lm_batches(1)[0]
         engine.backward(engine(**batch).loss * float("inf"))
         engine.step()
-    finally:
-        logger.removeHandler(listen)
     return engine.skipped_steps, lines
 
 
