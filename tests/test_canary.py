@@ -262,7 +262,10 @@ def test_canary_catches_each_silent_bug_on_stock_and_passes_patched(pid, tmp_pat
 
         stock, patched = deepspeed_side([plan, {**plan, "then_apply": [pid, *ALSO_OUT.get(pid, [])]}],
                                         clean_env(DSPATCH="1", DSPATCH_DISABLE=out))
-        assert pid not in stock["applied"] and pid in patched["applied"], (stock["applied"], patched["applied"])
+        if stock["error"]:  # a crash stops the job before the patched side: that one runs in a job of its own
+            patched = None
+        else:
+            assert pid not in stock["applied"] and pid in patched["applied"], (stock["applied"], patched["applied"])
     else:
         stock = _record(tmp_path, plan, clean_env(DSPATCH="1", DSPATCH_DISABLE=out), "base")
         patched = None
