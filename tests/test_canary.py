@@ -198,7 +198,10 @@ CASES = {
         "zero_optimization": {"stage": 0}, "gradient_clipping": 0.5,
         "optimizer": {"type": "SGD", "params": {"lr": 0.05}}}, "stage_clipping"),
 }
-ALSO_OUT = {"deepspeed/backward-scale-wrt-gas": ["deepspeed/output-hooks-gas-per-tensor"]}
+# before 0.19.6 direct-backward-gas-per-tensor sets engine.backward right too (it undoes the logits' second division
+# whatever the backward), so output-hooks-gas-per-tensor's stock run leaves it out as well
+ALSO_OUT = {"deepspeed/backward-scale-wrt-gas": ["deepspeed/output-hooks-gas-per-tensor"],
+            "deepspeed/output-hooks-gas-per-tensor": ["deepspeed/direct-backward-gas-per-tensor"]}
 
 
 def _applies(pid):

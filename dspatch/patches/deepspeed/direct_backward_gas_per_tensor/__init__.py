@@ -22,7 +22,8 @@ a weight is then divided exactly once, whichever of them the backward starts fro
 from the logits (no edge crossed, nothing changed), or both added (`out.loss + z_loss(out.logits)`: the loss's share
 divided once, the other share once, as plain torch's `/ GA`). (A gradient that enters the model's graph elsewhere, from
 a tensor captured inside the forward, is divided by no hook on stock either: left as it is.) Where the hooks divide nothing (engine.backward from 0.19.6, or
-with the earlier patch, `scale_wrt_gas=False`, functorch), nothing is multiplied. Where the outputs hold one tensor, or
+with the earlier patch, `scale_wrt_gas=False`, functorch), nothing is multiplied; before 0.19.6 without the earlier
+patch, engine.backward's second division is undone the same way (either patch alone sets it right). Where the outputs hold one tensor, or
 tensors side by side, or at ZeRO-3 (whose module hooks hand back new output tensors, so the hooked logits are not on
 the loss's graph), or at accumulation 1, no hook is added and the numbers stay stock's to the bit. Hooked outputs more
 than 64 nodes apart (a model's per-layer hidden states) are counted apart, as stock counts them.
