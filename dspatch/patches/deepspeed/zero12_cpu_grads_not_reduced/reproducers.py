@@ -103,10 +103,12 @@ def judge(stage):
 
     results = launch_ranks(__name__, args=(str(stage),))
     ranks = results[0]["ranks"]
-    off = max(_off(r["weights"], plain_torch(ranks)) for r in results)
+    want = plain_torch(ranks)
+    off = max(_off(r["weights"], want) for r in results)
     if off <= RTOL:
         return
-    if all(_off(r["weights"], plain_torch(ranks, own=True)) <= RTOL for r in results):
+    own = plain_torch(ranks, own=True)
+    if all(_off(r["weights"], own) <= RTOL for r in results):
         raise BugSeen(f"ZeRO-{stage} with contiguous_gradients false: no gradient all-reduced, each rank stepped its "
                       f"partition on its own micro-batch (weights {off:.0%} off plain torch's averaged gradient)")
     raise AssertionError(f"ZeRO-{stage}: weights {off:.2e} off plain torch, and not as this bug leaves them")
