@@ -52,18 +52,6 @@ KNOWN = (
                  "https://github.com/deepspeedai/DeepSpeed/pull/8245"),
           note=("measured on 0.18.3 and 0.19.2 at GA 2 (every ZeRO stage, fp32 and bf16, one rank or two): the "
                 "branch around the engine counts exactly GA times; right on 0.19.8")),
-    Known("deepspeed/bf16-buffers-left-fp32", "deepspeed", ">=0.19.2", None,
-          effect=("bf16/fp16 engines cast parameters only (PR 8066): a model loaded in fp32 that computes with a "
-                  "floating buffer (BatchNorm's running statistics, DETR's frozen batch norm, M2M100/NLLB's "
-                  "sinusoidal positions) fails at its first forward at ZeRO-0/1/2, `expected scalar type BFloat16 "
-                  "but found Float` or `mat1 and mat2 must have the same dtype`"),
-          advice=('set "data_types": {"buffer_dtype": "bf16"} (or "fp16") in the DeepSpeed config, as releases '
-                  "before 0.19.2 cast them, or load the model in that dtype; leave it unset for models whose only "
-                  "floating buffers are rotary inv_freq tables (they cast those themselves)"),
-          links=("https://github.com/deepspeedai/DeepSpeed/pull/8066",),
-          note=("by design upstream (keeping rotary inv_freq in fp32); measured on 0.19.8: a Linear-BatchNorm1d-"
-                "Linear model at bf16 ZeRO-2 fails as said, runs with buffer_dtype bf16, and runs on 0.16.3; "
-                "no patch: no rule found that tells a table the model computes with from one it casts itself")),
     Known("deepspeed/zero-to-fp32-int-buffers", "deepspeed", "<0.19.8", "0.19.8",
           effect=("zero_to_fp32 (get_fp32_state_dict_from_zero_checkpoint) writes integer and bool buffers as "
                   "float32: an int64 above 2^24 (offsets, indices) comes back another number, silently"),
