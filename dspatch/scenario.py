@@ -215,10 +215,16 @@ def worst(got, want):
 
 
 def digest(named_weights):
-    """A hash of a set of weights' bytes, in order: equal only where the weights are bit-identical."""
+    """A hash of a set of weights' bytes, in order: equal only where the weights are bit-identical (bf16 ones read
+    as their 16 bits: numpy has no bf16)."""
     import hashlib
 
-    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in named_weights.values())).hexdigest()
+    import torch
+
+    def raw(t):
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+
+    return hashlib.sha256(b"".join(raw(t) for t in named_weights.values())).hexdigest()
 
 
 def windows(micro_batches, accumulation, divisor=None):

@@ -45,9 +45,6 @@ class RotaryAndNorm(torch.nn.Module):  # a rotary table beside a BatchNorm
 def casts_itself_loss(engine, step):
     return batchnorm_loss(engine, step)
 
-def exact(named):  # bf16 widened to fp32 exactly: digest reads numpy, which has no bf16
-    return digest({n: t.float() if t.is_floating_point() else t for n, t in named.items()})
-
 def dtypes(named):
     return {name: str(t.dtype) for name, t in named.items()}
 
@@ -78,7 +75,7 @@ try:  # buffer_dtype set (to fp32): the config decides, and the BatchNorm fails 
 except RuntimeError as error:
     runs["buffer_dtype_fp32"] = str(error).splitlines()[0]
 print(json.dumps({"applied": _runtime.applied_ids(),
-                  "digest": {n: exact(w) for n, w in runs.items() if isinstance(w, dict)},
+                  "digest": {n: digest(w) for n, w in runs.items() if isinstance(w, dict)},
                   "dtypes": {n: dtypes(w) for n, w in runs.items() if isinstance(w, dict)},
                   "failed": {n: w for n, w in runs.items() if isinstance(w, str)},
                   "fp32_inputs": fp32_inputs()}))
